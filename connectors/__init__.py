@@ -1,0 +1,1 @@
+"""tierkv.connectors: adapters that plug tierkv into other engines."""

@@ -1,0 +1,315 @@
+"""Typed, frozen configuration, loaded in one place: defaults < TOML file < TIERKV_* env.
+
+Every field is validated at construction and errors name the field and what is
+allowed, e.g. ``l2.capacity: expected a size like '8GiB' or a byte count >= 0, got 'lots'``.
+Env overrides use ``TIERKV_<SECTION>_<FIELD>`` (``TIERKV_L2_CAPACITY=8GiB``) or
+``TIERKV_<FIELD>`` for top-level fields (``TIERKV_MODEL_ID=...``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: Any, name: str) -> int:
+    """Bytes from an int or a string like ``"8GiB"``, ``"512 MiB"``, ``"1.5GB"``."""
+    if isinstance(value, bool):
+        raise ValueError(f"{name}: expected a size like '8GiB' or a byte count >= 0, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ValueError(f"{name}: expected a size like '8GiB' or a byte count >= 0, got {value!r}")
+        return value
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ValueError(
+        f"{name}: expected a size like '8GiB' or a byte count >= 0 (units {', '.join(k for k in _UNITS if k)}), got {value!r}"
+    )
+
+
+def _check_int(value: Any, name: str, lo: int, hi: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+        bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise ValueError(f"{name}: expected an integer {bound}, got {value!r}")
+    return value
+
+
+def _check_float(value: Any, name: str, lo: float, strict: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        raise ValueError(f"{name}: expected a number {'>' if strict else '>='} {lo}, got {value!r}")
+    if value < lo or (strict and value == lo):
+        raise ValueError(f"{name}: expected a number {'>' if strict else '>='} {lo}, got {value!r}")
+    return float(value)
+
+
+def _check_choice(value: Any, name: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ValueError(f"{name}: expected one of {list(allowed)}, got {value!r}")
+    return value
+
+
+def _check_str(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{name}: expected a string, got {value!r}")
+    return value
+
+
+def _check_bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}: expected true or false, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class L1Config:
+    """L1: the device block pool. ``num_blocks`` 0 means no L1 tier (e.g. under vLLM)."""
+
+    num_blocks: int = 0
+    device: str = "auto"
+
+    def __post_init__(self) -> None:
+        _check_int(self.num_blocks, "l1.num_blocks", 0)
+        _check_choice(self.device.split(":")[0] if isinstance(self.device, str) else self.device,
+                      "l1.device", ("auto", "cpu", "cuda"))
+
+
+@dataclass(frozen=True)
+class L2Config:
+    """L2: host DRAM slab. ``shared_name`` puts it in /dev/shm so processes on a node share it."""
+
+    capacity: int | str = "1GiB"
+    shared_name: str = ""
+    pin: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "capacity", parse_size(self.capacity, "l2.capacity"))
+        if not re.fullmatch(r"[A-Za-z0-9_.-]{0,64}", _check_str(self.shared_name, "l2.shared_name")):
+            raise ValueError(f"l2.shared_name: expected up to 64 of [A-Za-z0-9_.-], got {self.shared_name!r}")
+        _check_bool(self.pin, "l2.pin")
+
+
+@dataclass(frozen=True)
+class L3Config:
+    """L3: local disk, one preallocated slot file plus an LMDB index under ``path``."""
+
+    path: str = "~/.cache/tierkv/l3"
+    capacity: int | str = "8GiB"
+    direct_io: bool = True
+
+    def __post_init__(self) -> None:
+        if not _check_str(self.path, "l3.path"):
+            raise ValueError("l3.path: expected a directory path, got ''")
+        object.__setattr__(self, "capacity", parse_size(self.capacity, "l3.capacity"))
+        _check_bool(self.direct_io, "l3.direct_io")
+
+
+@dataclass(frozen=True)
+class L4Config:
+    """L4: a remote pool chosen by URL scheme; empty URL means no L4."""
+
+    url: str = ""
+    auth_key: str = ""
+    timeout_ms: int = 200
+    key_prefix: str = "tierkv"
+    breaker_failures: int = 3
+    breaker_reset_s: float = 5.0
+
+    SCHEMES = ("mooncake", "redis", "rediss", "valkey", "redis+cluster")
+
+    def __post_init__(self) -> None:
+        url = _check_str(self.url, "l4.url")
+        if url and url.split("://")[0] not in self.SCHEMES:
+            raise ValueError(f"l4.url: expected a URL with scheme one of {list(self.SCHEMES)}, got {url!r}")
+        _check_str(self.auth_key, "l4.auth_key")
+        _check_int(self.timeout_ms, "l4.timeout_ms", 1, 60_000)
+        _check_str(self.key_prefix, "l4.key_prefix")
+        _check_int(self.breaker_failures, "l4.breaker_failures", 1)
+        _check_float(self.breaker_reset_s, "l4.breaker_reset_s", 0.0, strict=True)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Eviction policy by name, the write policy, and reuse decay (half-life in lookups)."""
+
+    name: str = "lru"
+    write: str = "write_back"
+    half_life: float = 2000.0
+
+    WRITES = ("write_back", "write_through", "write_through_selective")
+
+    def __post_init__(self) -> None:
+        from tierkv.policy import POLICIES
+
+        _check_choice(self.name, "policy.name", tuple(sorted(POLICIES)))
+        _check_choice(self.write, "policy.write", self.WRITES)
+        _check_float(self.half_life, "policy.half_life", 0.0, strict=True)
+
+
+@dataclass(frozen=True)
+class HashingConfig:
+    """Block hash algorithm; ``key`` (hex) is required for keyed blake2b."""
+
+    algorithm: str = "xxh3_128"
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        from tierkv.hashing import ALGORITHMS
+
+        _check_choice(self.algorithm, "hashing.algorithm", ALGORITHMS)
+        if self.algorithm == "blake2b":
+            try:
+                raw = bytes.fromhex(self.key)
+            except ValueError:
+                raw = b""
+            if not 1 <= len(raw) <= 64:
+                raise ValueError(f"hashing.key: blake2b needs 1..64 bytes of hex key, got {self.key!r}")
+
+
+@dataclass(frozen=True)
+class CostConfig:
+    """Cost model figures in µs per token; 0 means 'calibrate or use the built-in estimate'."""
+
+    recompute_us_per_token: float = 0.0
+    l1_us_per_token: float = 0.0
+    l2_us_per_token: float = 0.0
+    l3_us_per_token: float = 0.0
+    l4_us_per_token: float = 0.0
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_float(getattr(self, f.name), f"cost.{f.name}", 0.0)
+
+
+@dataclass(frozen=True)
+class StoreConfig:
+    """Everything a TierKVStore needs besides its layout."""
+
+    model_id: str = "unknown-model"
+    model_revision: str = "main"
+    namespace: str = ""
+    l1: L1Config = field(default_factory=L1Config)
+    l2: L2Config = field(default_factory=L2Config)
+    l3: L3Config = field(default_factory=L3Config)
+    l4: L4Config = field(default_factory=L4Config)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    hashing: HashingConfig = field(default_factory=HashingConfig)
+    cost: CostConfig = field(default_factory=CostConfig)
+    l3_enabled: bool = True
+
+    def __post_init__(self) -> None:
+        _check_str(self.model_id, "model_id")
+        _check_str(self.model_revision, "model_revision")
+        _check_str(self.namespace, "namespace")
+        _check_bool(self.l3_enabled, "l3_enabled")
+
+    # -- loading -------------------------------------------------------------
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> StoreConfig:
+        """Build from nested dicts (TOML tables, vLLM extra config). Unknown keys are errors."""
+        sections = {f.name: f for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            if key not in sections:
+                raise ValueError(f"{key}: unknown setting; expected one of {sorted(sections)}")
+            sub = _SECTIONS.get(key)
+            if sub is None:
+                kwargs[key] = value
+                continue
+            if not isinstance(value, Mapping):
+                raise ValueError(f"{key}: expected a table of settings, got {value!r}")
+            allowed = {f.name for f in fields(sub)}
+            for name in value:
+                if name not in allowed:
+                    raise ValueError(f"{key}.{name}: unknown setting; expected one of {sorted(allowed)}")
+            kwargs[key] = sub(**value)
+        return cls(**kwargs)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None = None, env: Mapping[str, str] | None = None,
+             overrides: Mapping[str, Any] | None = None) -> StoreConfig:
+        """Defaults, then the TOML file at ``path``, then ``TIERKV_*`` env, then ``overrides``."""
+        data: dict[str, Any] = {}
+        if path is not None:
+            with open(Path(path).expanduser(), "rb") as fh:
+                try:
+                    data = tomllib.load(fh)
+                except tomllib.TOMLDecodeError as exc:
+                    raise ValueError(f"{path}: not valid TOML: {exc}") from None
+        _merge(data, env_overrides(os.environ if env is None else env))
+        if overrides:
+            _merge(data, dict(overrides))
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+_SECTIONS: dict[str, type] = {
+    "l1": L1Config, "l2": L2Config, "l3": L3Config, "l4": L4Config,
+    "policy": PolicyConfig, "hashing": HashingConfig, "cost": CostConfig,
+}
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> None:
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = dict(value) if isinstance(value, Mapping) else value
+
+
+def _coerce(raw: str, current: Any) -> Any:
+    if isinstance(current, bool):
+        low = raw.strip().lower()
+        return {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(low, raw)
+    if isinstance(current, int):
+        try:
+            return int(raw)
+        except ValueError:
+            return raw
+    if isinstance(current, float):
+        try:
+            return float(raw)
+        except ValueError:
+            return raw
+    return raw
+
+
+def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    """``TIERKV_*`` variables as a nested dict; unknown names fail naming the variable."""
+    out: dict[str, Any] = {}
+    top = {f.name: f for f in fields(StoreConfig) if f.name not in _SECTIONS}
+    defaults = StoreConfig.__new__(StoreConfig)
+    for name, raw in env.items():
+        if not name.startswith("TIERKV_") or name in ("TIERKV_CACHE_DIR", "TIERKV_LOG_LEVEL"):
+            continue
+        rest = name[len("TIERKV_"):].lower()
+        section, _, field_name = rest.partition("_")
+        if section in _SECTIONS and field_name:
+            sub = _SECTIONS[section]
+            default = {f.name: f.default for f in fields(sub)}
+            if field_name not in default:
+                raise ValueError(f"{name}: unknown setting {section}.{field_name}; expected one of {sorted(default)}")
+            out.setdefault(section, {})[field_name] = _coerce(raw, default[field_name])
+        elif rest in top:
+            out[rest] = _coerce(raw, top[rest].default)
+        else:
+            raise ValueError(f"{name}: unknown setting; expected TIERKV_<section>_<field> with section in {sorted(_SECTIONS)}")
+    del defaults
+    return out

@@ -1,0 +1,202 @@
+"""The prefix index: block hash -> Entry (DESIGN §4). Pure Python; decides nothing.
+
+An entry knows its parent, its depth, which local tiers hold it, its L1 slot,
+how many running requests pin it, when it was last used, a decayed use count
+and, per tier, how many of its children that tier holds. A block is
+*evictable* from a tier when the tier holds it, no child is held there (leaves
+first: removing an inner block strands its descendants) and no request pins
+it. The index tells each tier's policy when a block becomes or stops being
+evictable, so a policy only ever ranks candidates.
+
+Not thread-safe: the store serialises calls under its lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from enum import IntEnum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tierkv.policy.base import EvictionPolicy
+
+
+class Tier(IntEnum):
+    L1 = 0
+    L2 = 1
+    L3 = 2
+    L4 = 3
+
+
+LOCAL_TIERS = (Tier.L1, Tier.L2, Tier.L3)
+MISS = -1
+# Lowest set bit of a 3-bit tier mask, i.e. the fastest tier holding a block.
+_BEST = (MISS, 0, 1, 0, 2, 0, 1, 0)
+
+
+class Entry:
+    """One cached block. Mutated only by PrefixIndex."""
+
+    __slots__ = (
+        "key", "parent", "depth", "mask", "best", "l1_slot", "ref_count",
+        "last_access", "freq", "children", "handles",
+    )
+
+    def __init__(self, key: bytes, parent: bytes | None, depth: int) -> None:
+        self.key = key
+        self.parent = parent
+        self.depth = depth
+        self.mask = 0
+        self.best = MISS
+        self.l1_slot: int | None = None
+        self.ref_count = 0
+        self.last_access = 0
+        self.freq = 0.0
+        self.children = [0, 0, 0]
+        self.handles: list = [None, None, None]  # policy bookkeeping, one per tier
+
+    def in_tier(self, tier: int) -> bool:
+        return bool(self.mask >> tier & 1)
+
+    def __repr__(self) -> str:
+        tiers = ",".join(f"L{t + 1}" for t in LOCAL_TIERS if self.in_tier(t))
+        return f"Entry({self.key.hex()[:8]} d={self.depth} [{tiers}] ref={self.ref_count})"
+
+
+class PrefixIndex:
+    """hash -> Entry with longest-prefix match and per-tier eviction candidates.
+
+    ``policies[t]`` ranks the evictable blocks of local tier ``t``; ``None``
+    for an absent tier. ``half_life`` (in lookups) sets how fast ``freq`` decays.
+    """
+
+    def __init__(self, policies: Sequence[EvictionPolicy | None], half_life: float = 2000.0) -> None:
+        if len(policies) != len(LOCAL_TIERS):
+            raise ValueError(f"index.policies: expected {len(LOCAL_TIERS)} entries, got {len(policies)}")
+        if half_life <= 0:
+            raise ValueError(f"index.half_life: expected > 0, got {half_life}")
+        self._entries: dict[bytes, Entry] = {}
+        self.policies = list(policies)
+        self.counts = [0, 0, 0]
+        self.clock = 0
+        self._decay = 0.5 ** (1.0 / half_life)
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._entries
+
+    def get(self, key: bytes) -> Entry | None:
+        return self._entries.get(key)
+
+    def entries(self) -> Iterable[Entry]:
+        return self._entries.values()
+
+    def match(self, keys: Sequence[bytes]) -> list[int]:
+        """Fastest local tier of each block of the longest cached prefix of ``keys``."""
+        get = self._entries.get
+        out: list[int] = []
+        append = out.append
+        for key in keys:
+            entry = get(key)
+            if entry is None:
+                break
+            append(entry.best)
+        return out
+
+    # -- membership ---------------------------------------------------------
+
+    def add(self, key: bytes, parent: bytes | None, depth: int, tier: int) -> Entry:
+        """Record that ``tier`` holds ``key`` (creating the entry if new)."""
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = Entry(key, parent, depth)
+            entry.last_access = self.clock
+            self._entries[key] = entry
+        bit = 1 << tier
+        if entry.mask & bit:
+            return entry
+        entry.mask |= bit
+        entry.best = _BEST[entry.mask]
+        self.counts[tier] += 1
+        if parent is not None:
+            parent_entry = self._entries.get(parent)
+            if parent_entry is not None:
+                parent_entry.children[tier] += 1
+                if parent_entry.children[tier] == 1:
+                    self._unlist(parent_entry, tier)
+        self._relist(entry, tier)
+        return entry
+
+    def drop(self, key: bytes, tier: int) -> Entry | None:
+        """Record that ``tier`` no longer holds ``key``; forget the block when no tier does."""
+        entry = self._entries.get(key)
+        if entry is None or not entry.mask >> tier & 1:
+            return None
+        self._unlist(entry, tier)
+        entry.mask &= ~(1 << tier)
+        entry.best = _BEST[entry.mask]
+        if tier == Tier.L1:
+            entry.l1_slot = None
+        self.counts[tier] -= 1
+        if entry.parent is not None:
+            parent_entry = self._entries.get(entry.parent)
+            if parent_entry is not None:
+                parent_entry.children[tier] -= 1
+                if parent_entry.children[tier] == 0:
+                    self._relist(parent_entry, tier)
+        if entry.mask == 0:
+            del self._entries[key]
+        return entry
+
+    # -- use ------------------------------------------------------------------
+
+    def pin(self, entries: Iterable[Entry]) -> None:
+        for entry in entries:
+            entry.ref_count += 1
+            if entry.ref_count == 1:
+                for tier in LOCAL_TIERS:
+                    if entry.mask >> tier & 1:
+                        self._unlist(entry, tier)
+
+    def unpin(self, entries: Iterable[Entry]) -> None:
+        for entry in entries:
+            if entry.ref_count <= 0:
+                raise RuntimeError(f"unpin of an unpinned block {entry!r}")
+            entry.ref_count -= 1
+            if entry.ref_count == 0 and self._entries.get(entry.key) is entry:
+                for tier in LOCAL_TIERS:
+                    self._relist(entry, tier)
+
+    def touch(self, entries: Iterable[Entry]) -> None:
+        """One access (a lookup that hit these blocks): advance the clock, decay and bump ``freq``."""
+        self.clock += 1
+        clock, decay = self.clock, self._decay
+        for entry in entries:
+            entry.freq = entry.freq * decay ** (clock - entry.last_access) + 1.0
+            entry.last_access = clock
+            if entry.ref_count == 0:
+                for tier in LOCAL_TIERS:
+                    if entry.handles[tier] is not None:
+                        self.policies[tier].touch(entry)
+
+    def victim(self, tier: int) -> Entry | None:
+        """The evictable block ``tier``'s policy would evict next, unlisted; None if none."""
+        policy = self.policies[tier]
+        return None if policy is None else policy.pop()
+
+    def evictable(self, entry: Entry, tier: int) -> bool:
+        return bool(entry.mask >> tier & 1) and entry.children[tier] == 0 and entry.ref_count == 0
+
+    # -- policy bookkeeping -------------------------------------------------
+
+    def _relist(self, entry: Entry, tier: int) -> None:
+        if entry.handles[tier] is None and self.evictable(entry, tier):
+            policy = self.policies[tier]
+            if policy is not None:
+                policy.add(entry)
+
+    def _unlist(self, entry: Entry, tier: int) -> None:
+        if entry.handles[tier] is not None:
+            self.policies[tier].discard(entry)

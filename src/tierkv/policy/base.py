@@ -1,0 +1,87 @@
+"""The eviction-policy seam: a policy ranks the evictable blocks of one tier.
+
+The index calls ``add`` when a block becomes evictable in the policy's tier,
+``discard`` when it stops being evictable, ``touch`` when an evictable block
+is used, and ``pop`` to take the victim. A policy stores its bookkeeping in
+``entry.handles[tier]`` (None means "not listed") and never touches bytes.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+
+from tierkv.index import Entry
+
+
+class EvictionPolicy(ABC):
+    """Ranks one tier's evictable blocks. Not thread-safe (the store holds its lock)."""
+
+    name: str = "base"
+
+    def __init__(self, tier: int) -> None:
+        self.tier = tier
+
+    @abstractmethod
+    def add(self, entry: Entry) -> None: ...
+
+    @abstractmethod
+    def discard(self, entry: Entry) -> None: ...
+
+    @abstractmethod
+    def touch(self, entry: Entry) -> None: ...
+
+    @abstractmethod
+    def pop(self) -> Entry | None: ...
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+
+class HeapPolicy(EvictionPolicy):
+    """Evicts the listed block with the lowest ``priority``; O(log n) with lazy deletion."""
+
+    def __init__(self, tier: int) -> None:
+        super().__init__(tier)
+        self._heap: list[list] = []
+        self._seq = itertools.count()
+        self._size = 0
+
+    @abstractmethod
+    def priority(self, entry: Entry):
+        """Lower is evicted first. Must only change when ``touch`` is called."""
+
+    def add(self, entry: Entry) -> None:
+        item = [self.priority(entry), next(self._seq), entry]
+        entry.handles[self.tier] = item
+        heapq.heappush(self._heap, item)
+        self._size += 1
+
+    def discard(self, entry: Entry) -> None:
+        item = entry.handles[self.tier]
+        if item is not None:
+            item[2] = None
+            entry.handles[self.tier] = None
+            self._size -= 1
+            if len(self._heap) > 64 and len(self._heap) > 4 * self._size:
+                self._heap = [i for i in self._heap if i[2] is not None]
+                heapq.heapify(self._heap)
+
+    def touch(self, entry: Entry) -> None:
+        self.discard(entry)
+        self.add(entry)
+
+    def pop(self) -> Entry | None:
+        heap = self._heap
+        while heap:
+            item = heapq.heappop(heap)
+            entry = item[2]
+            if entry is not None:
+                entry.handles[self.tier] = None
+                self._size -= 1
+                return entry
+        return None
+
+    def __len__(self) -> int:
+        return self._size

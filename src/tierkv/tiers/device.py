@@ -1,0 +1,66 @@
+"""L1: the engine's block pool (DESIGN §5).
+
+One tensor ``pool[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``
+on the device (a CPU tensor where there is no CUDA). Slots are handed out from
+a free list; the store's index decides which cached block a slot holds and who
+pins it. Not thread-safe: the store calls it under its lock.
+"""
+
+from __future__ import annotations
+
+import mmap
+
+import torch
+
+from tierkv.layout import KVLayout
+
+
+class OutOfBlocks(RuntimeError):
+    """L1 has no free slot and nothing evictable: the engine must wait or preempt."""
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"l1.device: {name!r} asked for but CUDA is not available; use 'auto' or 'cpu'")
+    return dev
+
+
+class DeviceTier:
+    name = "l1"
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "auto") -> None:
+        self.layout = layout
+        self.device = resolve_device(device) if isinstance(device, str) else device
+        if self.device.type == "cpu":
+            # Page-aligned so L3 reads land in L1 slots with O_DIRECT and no bounce copy.
+            self._mm = mmap.mmap(-1, max(1, num_blocks * layout.block_bytes))
+            flat = torch.frombuffer(self._mm, dtype=torch.uint8, count=num_blocks * layout.block_bytes)
+            self.pool = flat.view(layout.torch_dtype).view(layout.pool_shape(num_blocks))
+        else:
+            self.pool = torch.zeros(layout.pool_shape(num_blocks), dtype=layout.torch_dtype, device=self.device)
+        # Pop from the end; lowest slot ids first keeps tests' block ids predictable.
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def capacity(self) -> int:
+        return self.pool.shape[0]
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` free slots (the caller owns them until ``free``); OutOfBlocks if fewer."""
+        if n > len(self._free):
+            raise OutOfBlocks(f"l1: asked for {n} slots, {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, slots: list[int]) -> None:
+        self._free.extend(reversed(slots))
+
+    def block(self, slot: int) -> torch.Tensor:
+        """A view of one slot's canonical block (no copy)."""
+        return self.pool[slot]

@@ -1,0 +1,316 @@
+"""L3: local disk — one preallocated slot file plus an LMDB index (DESIGN §5).
+
+All blocks have one size, so slot k sits at offset k x stride (stride = block
+bytes rounded up to 4 KiB): no fragmentation. Data moves with O_DIRECT through
+page-aligned buffers, straight into the caller's buffer when it is aligned.
+The LMDB environment maps key -> (slot, depth, checksum, created, parent).
+
+Write order is data, then fdatasync, then the LMDB commit, all inside one LMDB
+write transaction — LMDB's writer lock serialises writers across processes, so
+slot allocation needs no other coordination, and a crash (even SIGKILL) leaves
+at worst a slot whose bytes nobody points at. Every read verifies a checksum
+bound to the key; a bad block is a miss, is removed and is counted. Readers
+never block (LMDB MVCC), and any number of processes may open one directory.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+
+import lmdb
+import torch
+import xxhash
+
+from tierkv.layout import KVLayout
+from tierkv.tiers.base import Lineage, as_bytes
+
+log = logging.getLogger("tierkv")
+ALIGN = 4096
+_REC = struct.Struct("<IIQd")  # slot, depth, checksum, created; parent hash follows (0 or 16 bytes)
+_SLOT = struct.Struct(">I")    # free-list keys sort by slot number
+
+FailureHook = Callable[[str, str, int, str], None]  # (tier, reason, blocks, detail)
+
+
+def _round_up(n: int, a: int = ALIGN) -> int:
+    return (n + a - 1) // a * a
+
+
+class Record:
+    __slots__ = ("key", "slot", "depth", "checksum", "created", "parent")
+
+    def __init__(self, key: bytes, raw: bytes) -> None:
+        self.key = key
+        self.slot, self.depth, self.checksum, self.created = _REC.unpack_from(raw)
+        self.parent = bytes(raw[_REC.size:]) or None
+
+
+class DiskTier:
+    name = "l3"
+
+    def __init__(self, path: str | os.PathLike, layout: KVLayout, num_blocks: int,
+                 meta: dict[str, str] | None = None, direct_io: bool = True,
+                 on_failure: FailureHook | None = None, create: bool = True) -> None:
+        self.path = Path(path).expanduser()
+        self.layout = layout
+        self.block_bytes = layout.block_bytes
+        self.stride = _round_up(layout.block_bytes)
+        self._on_failure = on_failure or (lambda *a: None)
+        if not create and not (self.path / "index").exists():
+            raise FileNotFoundError(f"l3.path: no tierkv L3 directory at {self.path}")
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._env = lmdb.open(str(self.path / "index"), map_size=max(1 << 30, num_blocks * 512),
+                              max_dbs=4, max_readers=512, subdir=True, lock=True)
+        self._blocks = self._env.open_db(b"blocks")
+        self._free = self._env.open_db(b"free")
+        self._meta = self._env.open_db(b"meta")
+        self._capacity = self._init_meta(num_blocks, meta or {})
+        self.direct = self._open_file(direct_io)
+        self._local = threading.local()  # per-thread page-aligned bounce buffer
+
+    # -- setup ----------------------------------------------------------------
+
+    def _init_meta(self, num_blocks: int, meta: dict[str, str]) -> int:
+        with self._env.begin(write=True) as txn:
+            found = txn.get(b"layout_fingerprint", db=self._meta)
+            if found is not None and found.decode() != self.layout.fingerprint:
+                raise ValueError(
+                    f"l3.path: {self.path} holds blocks of layout {found.decode()}, this store's layout is "
+                    f"{self.layout.fingerprint}; use another l3.path or clear it with `tierkv evict --all`"
+                )
+            old = txn.get(b"capacity", db=self._meta)
+            capacity = max(num_blocks, int(old) if old else 0)
+            txn.put(b"layout_fingerprint", self.layout.fingerprint.encode(), db=self._meta)
+            txn.put(b"layout", repr(self.layout.to_dict()).encode(), db=self._meta)
+            txn.put(b"capacity", str(capacity).encode(), db=self._meta)
+            for k, v in meta.items():
+                if txn.get(k.encode(), db=self._meta) is None:
+                    txn.put(k.encode(), str(v).encode(), db=self._meta)
+        return capacity
+
+    def _open_file(self, direct_io: bool) -> bool:
+        path = str(self.path / "slots.bin")
+        flags = os.O_RDWR | os.O_CREAT
+        direct = False
+        if direct_io and hasattr(os, "O_DIRECT"):
+            try:
+                self._fd = os.open(path, flags | os.O_DIRECT, 0o644)
+                direct = True
+            except OSError:
+                log.warning("tierkv l3: O_DIRECT refused on %s (tmpfs?); using buffered IO", self.path)
+        if not direct:
+            self._fd = os.open(path, flags, 0o644)
+        size = self._capacity * self.stride
+        if os.fstat(self._fd).st_size < size:
+            os.ftruncate(self._fd, size)
+            try:
+                os.posix_fallocate(self._fd, 0, size)
+            except OSError as exc:
+                log.warning("tierkv l3: could not preallocate %d bytes (%s); the file stays sparse", size, exc)
+        return direct
+
+    def meta(self) -> dict[str, str]:
+        with self._env.begin() as txn:
+            return {bytes(k).decode(): bytes(v).decode() for k, v in txn.cursor(db=self._meta)}
+
+    # -- protocol -------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def used(self) -> int:
+        with self._env.begin() as txn:
+            return txn.stat(self._blocks)["entries"]
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._env.begin() as txn:
+            return [txn.get(k, db=self._blocks) is not None for k in keys]
+
+    def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
+            lineage: Sequence[Lineage] | None = None) -> list[bool]:
+        """Persist blocks: data, fdatasync, then one LMDB commit. False where full or on IO error."""
+        lineage = lineage or [Lineage(None, 0)] * len(keys)
+        out = [False] * len(keys)
+        try:
+            with self._env.begin(write=True) as txn:
+                todo = []
+                for i, key in enumerate(keys):
+                    if txn.get(key, db=self._blocks) is not None:
+                        out[i] = True
+                        continue
+                    slot = self._take_slot(txn)
+                    if slot is None:
+                        self._on_failure("l3", "full", len(keys) - i, str(self.path))
+                        break
+                    todo.append((i, slot))
+                if not todo:
+                    return out
+                sums = self._write_runs([(slot, blocks[i]) for i, slot in todo],
+                                        [keys[i] for i, _ in todo])
+                os.fdatasync(self._fd)
+                now = time.time()
+                for (i, slot), checksum in zip(todo, sums):
+                    parent, depth = lineage[i]
+                    txn.put(keys[i], _REC.pack(slot, depth, checksum, now) + (parent or b""), db=self._blocks)
+                    out[i] = True
+        except OSError as exc:
+            reason = "full" if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else "io"
+            self._on_failure("l3", reason, len(keys), f"{self.path}: {exc}")
+            return [False] * len(keys)
+        except lmdb.Error as exc:
+            self._on_failure("l3", "index", len(keys), f"{self.path}: {exc}")
+            return [False] * len(keys)
+        return out
+
+    def get(self, keys: Sequence[bytes], dst: Sequence[torch.Tensor]) -> list[bool]:
+        """Read and verify blocks into ``dst``; a missing, short or corrupt block is False."""
+        with self._env.begin() as txn:
+            recs = [txn.get(k, db=self._blocks) for k in keys]
+        out = [False] * len(keys)
+        wanted = [(Record(k, r), i) for i, (k, r) in enumerate(zip(keys, recs)) if r is not None]
+        bad = []
+        for rec, i in wanted:
+            try:
+                ok = self._read_one(rec, dst[i])
+            except OSError as exc:
+                self._on_failure("l3", "io", 1, f"{self.path}: {exc}")
+                continue
+            if ok:
+                out[i] = True
+            else:
+                bad.append(rec)
+        if bad:
+            self._on_failure("l3", "corrupt", len(bad), f"{self.path}: checksum mismatch or short read")
+            self._remove_if_unchanged(bad)
+        return out
+
+    def remove(self, keys: Sequence[bytes]) -> None:
+        try:
+            with self._env.begin(write=True) as txn:
+                for key in keys:
+                    raw = txn.pop(key, db=self._blocks)
+                    if raw is not None:
+                        txn.put(_SLOT.pack(_REC.unpack_from(raw)[0]), b"", db=self._free)
+        except lmdb.Error as exc:
+            self._on_failure("l3", "index", len(keys), f"{self.path}: {exc}")
+
+    # -- inspection -----------------------------------------------------------
+
+    def records(self) -> Iterator[Record]:
+        """Every block record, in key order (a consistent snapshot)."""
+        with self._env.begin() as txn:
+            for key, raw in txn.cursor(db=self._blocks):
+                yield Record(bytes(key), bytes(raw))
+
+    def verify(self, repair: bool = False) -> tuple[int, list[bytes]]:
+        """Read every block and check it; returns (blocks checked, bad keys). ``repair`` removes the bad."""
+        buf = torch.empty(self.layout.block_shape, dtype=self.layout.torch_dtype)
+        checked, bad = 0, []
+        for rec in list(self.records()):
+            checked += 1
+            try:
+                ok = self._read_one(rec, buf)
+            except OSError:
+                ok = False
+            if not ok:
+                bad.append(rec)
+        if repair and bad:
+            self._remove_if_unchanged(bad)
+        return checked, [r.key for r in bad]
+
+    def read_raw(self, key: bytes) -> bytes | None:
+        """The stored bytes of one block after verification (for export)."""
+        buf = torch.empty(self.layout.block_shape, dtype=self.layout.torch_dtype)
+        return bytes(as_bytes(buf)) if self.get([key], [buf])[0] else None
+
+    def close(self) -> None:
+        if getattr(self, "_fd", None) is not None:
+            os.close(self._fd)
+            self._fd = None
+            self._env.close()
+
+    # -- internals ------------------------------------------------------------
+
+    def _take_slot(self, txn) -> int | None:
+        cur = txn.cursor(db=self._free)
+        if cur.first():
+            slot = _SLOT.unpack(cur.key())[0]
+            cur.delete()
+            return slot
+        raw = txn.get(b"next_slot", db=self._meta)
+        slot = int(raw) if raw else 0
+        if slot >= self._capacity:
+            return None
+        txn.put(b"next_slot", str(slot + 1).encode(), db=self._meta)
+        return slot
+
+    @property
+    def _bounce(self) -> mmap.mmap:
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = mmap.mmap(-1, self.stride)
+        return buf
+
+    def _aligned(self, t: torch.Tensor) -> memoryview | None:
+        """A byte view usable for O_DIRECT when ``t`` is page-aligned and stride-sized, else None."""
+        if (t.device.type == "cpu" and t.is_contiguous() and self.stride == self.block_bytes
+                and t.data_ptr() % ALIGN == 0):
+            return as_bytes(t)
+        return None
+
+    def _write_runs(self, items: list[tuple[int, torch.Tensor]], keys: list[bytes]) -> list[int]:
+        sums = []
+        for (slot, src), key in zip(items, keys):
+            src = src if src.device.type == "cpu" else src.cpu()
+            view = self._aligned(src)
+            if view is None:
+                bounce = self._bounce
+                view = memoryview(bounce)
+                view[: self.block_bytes] = as_bytes(src.contiguous())
+            sums.append(_checksum(key, view[: self.block_bytes]))
+            n = os.pwritev(self._fd, [view], slot * self.stride)
+            if n != self.stride:
+                raise OSError(errno.EIO, f"short write of slot {slot}: {n} of {self.stride} bytes")
+        return sums
+
+    def _read_one(self, rec: Record, dst: torch.Tensor) -> bool:
+        if rec.slot >= self._capacity:
+            return False
+        on_cpu = dst.device.type == "cpu"
+        view = self._aligned(dst) if on_cpu else None
+        bounce = self._bounce
+        target = view if view is not None else memoryview(bounce)
+        n = os.preadv(self._fd, [target], rec.slot * self.stride)
+        if n < self.block_bytes:
+            return False
+        if _checksum(rec.key, target[: self.block_bytes]) != rec.checksum:
+            return False
+        if view is None:
+            staged = torch.frombuffer(bounce, dtype=torch.uint8, count=self.block_bytes)
+            dst.view(torch.uint8).view(-1).copy_(staged if on_cpu else staged.to(dst.device))
+        return True
+
+    def _remove_if_unchanged(self, recs: list[Record]) -> None:
+        try:
+            with self._env.begin(write=True) as txn:
+                for rec in recs:
+                    raw = txn.get(rec.key, db=self._blocks)
+                    if raw is not None and Record(rec.key, raw).checksum == rec.checksum:
+                        txn.delete(rec.key, db=self._blocks)
+                        txn.put(_SLOT.pack(rec.slot), b"", db=self._free)
+        except lmdb.Error as exc:
+            self._on_failure("l3", "index", len(recs), f"{self.path}: {exc}")
+
+
+def _checksum(key: bytes, data) -> int:
+    return xxhash.xxh3_64_intdigest(data, seed=int.from_bytes(key[:8], "little"))

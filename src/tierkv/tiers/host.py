@@ -1,0 +1,232 @@
+"""L2: host DRAM, one slab of fixed-size slots (DESIGN §5).
+
+The slab is page-aligned anonymous memory, or a file in /dev/shm when
+``shared_name`` is set so processes on one node share it (their key -> slot map
+then lives in an LMDB environment beside the slab, and every read checks a
+checksum because another process may reuse a slot at any time). With CUDA the
+slab is registered for DMA with ``cudaHostRegister`` so host<->device copies
+are asynchronous.
+
+Thread-safety: map operations take an internal lock; the bytes of a slot are
+only read while the store pins the block, so copies run outside the lock.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import threading
+from collections.abc import Sequence
+
+import torch
+import xxhash
+
+from tierkv.layout import KVLayout
+from tierkv.tiers.base import Lineage, as_bytes, copy_block
+
+_SHARED_REC = struct.Struct("<IQ")  # slot, checksum
+
+
+def _register_pinned(buf: torch.Tensor) -> bool:
+    """Page-lock ``buf`` for async DMA when CUDA exists; True when it did."""
+    if not torch.cuda.is_available():
+        return False
+    rc = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel() * buf.element_size(), 0)
+    return int(rc) == 0
+
+
+class HostTier:
+    name = "l2"
+
+    def __init__(self, layout: KVLayout, num_blocks: int, shared_name: str = "", pin: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"l2.capacity: holds no block of {layout.block_bytes} bytes; raise it or set 0 to disable L2")
+        self.layout = layout
+        self._capacity = num_blocks
+        nbytes = num_blocks * layout.block_bytes
+        self._shared = bool(shared_name)
+        if self._shared:
+            path = f"/dev/shm/tierkv-{shared_name}"
+            fd = os.open(path + ".slab", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                if os.fstat(fd).st_size < nbytes:
+                    os.ftruncate(fd, nbytes)
+                self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
+            finally:
+                os.close(fd)
+            self._slots = _SharedSlots(path + ".lmdb", num_blocks)
+        else:
+            self._mm = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            self._slots = _LocalSlots(num_blocks)
+        flat = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.slab = flat.view(layout.torch_dtype).view(layout.pool_shape(num_blocks))
+        self.pinned = pin and _register_pinned(self.slab)
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    @property
+    def used(self) -> int:
+        return self._slots.used()
+
+    def block(self, slot: int) -> torch.Tensor:
+        """A view of one slot (no copy); valid while the block stays pinned by the store."""
+        return self.slab[slot]
+
+    def slot_of(self, key: bytes) -> int | None:
+        found = self._slots.find(key)
+        return None if found is None else found[0]
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return [self._slots.find(k) is not None for k in keys]
+
+    def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
+            lineage: Sequence[Lineage] | None = None) -> list[bool]:
+        """Copy blocks into free slots; False for a key when the slab is full. Existing keys are kept."""
+        out = []
+        for key, src in zip(keys, blocks):
+            slot, fresh = self._slots.reserve(key)
+            if slot is None:
+                out.append(False)
+                continue
+            if fresh:
+                copy_block(self.slab[slot], src)
+                if self._shared:
+                    self._slots.commit(key, slot, _checksum(key, self.slab[slot]))
+            out.append(True)
+        return out
+
+    def get(self, keys: Sequence[bytes], dst: Sequence[torch.Tensor]) -> list[bool]:
+        out = []
+        for key, d in zip(keys, dst):
+            found = self._slots.find(key)
+            if found is None:
+                out.append(False)
+                continue
+            copy_block(d, self.slab[found[0]])
+            if self._shared:
+                if d.device.type != "cpu":
+                    torch.cuda.current_stream().synchronize()
+                    ok = _checksum(key, d.cpu()) == found[1]
+                else:
+                    ok = _checksum(key, d) == found[1]
+                if not ok:
+                    out.append(False)
+                    continue
+            out.append(True)
+        return out
+
+    def remove(self, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self._slots.release(key)
+
+    def keys(self) -> list[bytes]:
+        return self._slots.keys()
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.slab.data_ptr())
+            self.pinned = False
+
+
+def _checksum(key: bytes, block: torch.Tensor) -> int:
+    return xxhash.xxh3_64_intdigest(as_bytes(block), seed=int.from_bytes(key[:8], "little"))
+
+
+class _LocalSlots:
+    """key -> slot for one process."""
+
+    def __init__(self, n: int) -> None:
+        self._map: dict[bytes, int] = {}
+        self._free = list(range(n - 1, -1, -1))
+        self._lock = threading.Lock()
+
+    def used(self) -> int:
+        return len(self._map)
+
+    def find(self, key: bytes):
+        slot = self._map.get(key)
+        return None if slot is None else (slot, 0)
+
+    def reserve(self, key: bytes) -> tuple[int | None, bool]:
+        with self._lock:
+            slot = self._map.get(key)
+            if slot is not None:
+                return slot, False
+            if not self._free:
+                return None, False
+            slot = self._free.pop()
+            self._map[key] = slot
+            return slot, True
+
+    def commit(self, key: bytes, slot: int, checksum: int) -> None:
+        pass
+
+    def release(self, key: bytes) -> None:
+        with self._lock:
+            slot = self._map.pop(key, None)
+            if slot is not None:
+                self._free.append(slot)
+
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._map)
+
+
+class _SharedSlots:
+    """key -> (slot, checksum) in an LMDB environment in /dev/shm, shared by processes."""
+
+    def __init__(self, path: str, n: int) -> None:
+        import lmdb
+
+        self._env = lmdb.open(path, map_size=max(64 << 20, n * 256), max_dbs=3, subdir=True,
+                              sync=False, metasync=False, lock=True)
+        self._keys = self._env.open_db(b"keys")
+        self._free = self._env.open_db(b"free")
+        self._meta = self._env.open_db(b"meta")
+        self._n = n
+
+    def used(self) -> int:
+        with self._env.begin() as txn:
+            return txn.stat(self._keys)["entries"]
+
+    def find(self, key: bytes):
+        with self._env.begin() as txn:
+            raw = txn.get(key, db=self._keys)
+        if raw is None or len(raw) != _SHARED_REC.size:
+            return None
+        slot, checksum = _SHARED_REC.unpack(raw)
+        return None if checksum == 0 else (slot, checksum)
+
+    def reserve(self, key: bytes) -> tuple[int | None, bool]:
+        with self._env.begin(write=True) as txn:
+            if txn.get(key, db=self._keys) is not None:
+                return _SHARED_REC.unpack(txn.get(key, db=self._keys))[0], False
+            cur = txn.cursor(db=self._free)
+            if cur.first():
+                slot = struct.unpack(">I", cur.key())[0]
+                cur.delete()
+            else:
+                raw = txn.get(b"next", db=self._meta)
+                slot = 0 if raw is None else struct.unpack("<I", raw)[0]
+                if slot >= self._n:
+                    return None, False
+                txn.put(b"next", struct.pack("<I", slot + 1), db=self._meta)
+            txn.put(key, _SHARED_REC.pack(slot, 0), db=self._keys)  # checksum 0: not readable yet
+            return slot, True
+
+    def commit(self, key: bytes, slot: int, checksum: int) -> None:
+        with self._env.begin(write=True) as txn:
+            txn.put(key, _SHARED_REC.pack(slot, checksum or 1), db=self._keys)
+
+    def release(self, key: bytes) -> None:
+        with self._env.begin(write=True) as txn:
+            raw = txn.pop(key, db=self._keys)
+            if raw is not None:
+                txn.put(struct.pack(">I", _SHARED_REC.unpack(raw)[0]), b"", db=self._free)
+
+    def keys(self) -> list[bytes]:
+        with self._env.begin() as txn:
+            return [bytes(k) for k, _ in txn.cursor(db=self._keys)]

@@ -1,0 +1,134 @@
+"""Moves bytes between tiers and signals completion; owns no cache state (DESIGN §7).
+
+On CUDA: one stream for host->device and one for device->host, an event per
+batch; a load's ``ready`` is set once its event has completed, so the engine
+waits only just before the first layer that needs the blocks. Disk and remote
+IO run on a worker thread, so an L3 read of block k+1 overlaps the device copy
+of block k. Without CUDA the same handles complete on threads, with every CPU
+copy a single-threaded memmove (see ``tiers.base.copy_block``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class LoadResult:
+    """Per block of the match: loaded (or already in L1) or not. ``num_ok`` counts the leading run."""
+
+    ok: list[bool]
+    seconds: float = 0.0
+    adopted: list[bool] = field(default_factory=list)
+
+    @property
+    def num_ok(self) -> int:
+        n = 0
+        for flag in self.ok:
+            if not flag:
+                break
+            n += 1
+        return n
+
+
+class LoadHandle:
+    """Completion of one batched load.
+
+    ``ready`` (a threading.Event) is set when every copy has landed in its L1
+    slot; ``wait()`` blocks for it and returns the LoadResult. Thread-safe.
+    """
+
+    def __init__(self) -> None:
+        self.ready = threading.Event()
+        self._result: LoadResult | None = None
+        self._error: BaseException | None = None
+
+    def _finish(self, result: LoadResult | None, error: BaseException | None = None) -> None:
+        self._result, self._error = result, error
+        self.ready.set()
+
+    def done(self) -> bool:
+        return self.ready.is_set()
+
+    def wait(self, timeout: float | None = None) -> LoadResult:
+        if not self.ready.wait(timeout):
+            raise TimeoutError("load did not complete in time")
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+    @classmethod
+    def completed(cls, result: LoadResult) -> LoadHandle:
+        h = cls()
+        h._finish(result)
+        return h
+
+
+class TransferEngine:
+    """Worker threads (and CUDA streams) that run tier copies. Thread-safe."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="tierkv-io")
+        self._copy = ThreadPoolExecutor(1, thread_name_prefix="tierkv-copy")
+        if self.cuda:
+            self.h2d = torch.cuda.Stream(device)
+            self.d2h = torch.cuda.Stream(device)
+
+    def io(self, fn: Callable, *args) -> Future:
+        """Run ``fn`` on the IO thread (disk and remote tiers)."""
+        return self._io.submit(fn, *args)
+
+    def copy(self, fn: Callable, *args) -> Future:
+        """Run ``fn`` on the copy thread; on CUDA inside the host->device stream, synchronised."""
+        if not self.cuda:
+            return self._copy.submit(fn, *args)
+
+        def on_stream():
+            with torch.cuda.stream(self.h2d):
+                out = fn(*args)
+                event = torch.cuda.Event()
+                event.record(self.h2d)
+            event.synchronize()
+            return out
+
+        return self._copy.submit(on_stream)
+
+    def d2h_sync(self) -> None:
+        """Make host copies issued on the current stream visible (no-op on CPU)."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True)
+        self._copy.shutdown(wait=True)
+
+
+def gather_futures(futures: list[Future], done: Callable[[], None]) -> None:
+    """Call ``done`` on a helper thread once every future in ``futures`` finished."""
+    if not futures:
+        done()
+        return
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def one(_f):
+        with lock:
+            remaining[0] -= 1
+            last = remaining[0] == 0
+        if last:
+            done()
+
+    for f in futures:
+        f.add_done_callback(one)
+
+
+def now() -> float:
+    return time.perf_counter()
