@@ -1,0 +1,126 @@
+"""Pure-torch references for the tierkv kernels; also the CPU serving path.
+
+Each Triton kernel in this package is tested against the function here with the
+same name minus ``_ref``. The engine serves through these on CPU, so they are
+vectorised: one gather and one attention call per prefill sequence, and one
+gather and one attention call for all decode sequences of a step together.
+Inputs in fp16/bf16 are upcast so that scores, softmax and the weighted sum
+accumulate in fp32; the output comes back in ``q``'s dtype.
+
+Arguments are validated by ``tierkv.kernels.checks`` (metadata only, no device
+sync). Values are trusted: block ids, slot ids and lengths must be in range.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from tierkv.kernels.checks import check_paged_attention, check_write_kv
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return dtype if dtype in (torch.float32, torch.float64) else torch.float32
+
+
+def _gather_heads_first(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache [N, B, Hkv, D], blocks int [..., M] -> [..., Hkv, M*B, D] (one copy)."""
+    out = cache[blocks]  # [..., M, B, Hkv, D], contiguous
+    lead = out.shape[:-4]
+    m, b, hkv, d = out.shape[-4:]
+    return out.view(*lead, m * b, hkv, d).transpose(-3, -2)
+
+
+def _prefill_one(q_s, k_cache, v_cache, blocks, ctx, scale, cdt):
+    """Attention of one sequence's q_len new rows over its first ``ctx`` cached tokens."""
+    q_len, hq, d = q_s.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    k = _gather_heads_first(k_cache, blocks)[:, :ctx].to(cdt)  # [Hkv, ctx, D]
+    v = _gather_heads_first(v_cache, blocks)[:, :ctx].to(cdt)
+    # Query head h reads KV head h // group: rows of one KV head are [group * q_len].
+    qh = q_s.to(cdt).view(q_len, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * q_len, d)
+    if q_len == 1:
+        out = F.scaled_dot_product_attention(qh, k, v, scale=scale)
+    elif q_len == ctx:
+        out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale)
+    else:
+        # Row i sits at absolute position ctx - q_len + i and sees keys 0..that position.
+        rows = torch.arange(q_len, device=q_s.device) + (ctx - q_len)
+        mask = torch.arange(ctx, device=q_s.device)[None, :] <= rows[:, None]
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask.repeat(group, 1), scale=scale)
+    return out.view(hkv, group, q_len, d).permute(2, 0, 1, 3).reshape(q_len, hq, d)
+
+
+def _decode_batch(q_d, k_cache, v_cache, tables, ctxs, scale, cdt):
+    """One query row per sequence; sequences padded to the longest context, padding masked."""
+    n, hq, d = q_d.shape
+    hkv = k_cache.shape[2]
+    group = hq // hkv
+    k = _gather_heads_first(k_cache, tables).to(cdt)  # [n, Hkv, M*B, D]
+    v = _gather_heads_first(v_cache, tables).to(cdt)
+    qh = q_d.to(cdt).view(n, hkv, group, d)
+    mask = torch.arange(k.shape[2], device=q_d.device)[None, :] < ctxs[:, None]
+    out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+    return out.reshape(n, hq, d)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal varlen attention of new tokens over the paged KV in ``pool[:, layer]``.
+
+    q [T, Hq, D] holds the new tokens of all sequences concatenated; the rows
+    q[qsl[s]:qsl[s+1]] are the last q_len tokens of sequence s, whose K/V are
+    already in the pool. Reads the pool, never writes it; returns a new tensor
+    [T, Hq, D] in q's dtype. Synchronous (reads the length tensors on the host).
+    """
+    check_paged_attention(q, pool, layer, block_tables, context_lens, query_start_loc)
+    block_size = pool.shape[3]
+    k_cache, v_cache = pool[:, layer, 0], pool[:, layer, 1]
+    cdt = _compute_dtype(q.dtype)
+    out = torch.empty_like(q)
+    ctx_list = context_lens.tolist()
+    starts = query_start_loc.tolist()
+    decode = [s for s in range(len(ctx_list)) if starts[s + 1] - starts[s] == 1]
+    for s in range(len(ctx_list)):
+        q_len, ctx = starts[s + 1] - starts[s], ctx_list[s]
+        if q_len <= 1 and (q_len == 0 or len(decode) > 1):
+            continue
+        n_blocks = -(-ctx // block_size)
+        blocks = block_tables[s, :n_blocks].long()
+        q_s = q[starts[s] : starts[s + 1]]
+        out[starts[s] : starts[s + 1]] = _prefill_one(q_s, k_cache, v_cache, blocks, ctx, scale, cdt)
+    if len(decode) > 1:
+        idx = torch.tensor(decode, device=q.device)
+        ctxs = context_lens.long()[idx]
+        n_blocks = -(-max(ctx_list[s] for s in decode) // block_size)
+        tables = block_tables[idx, :n_blocks].long()
+        rows = query_start_loc.long()[idx]
+        out[rows] = _decode_batch(q[rows], k_cache, v_cache, tables, ctxs, scale, cdt).to(q.dtype)
+    return out
+
+
+def write_kv_ref(
+    pool: torch.Tensor, layer: int, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write k[t], v[t] [T, Hkv, D] into slot ``slot_mapping[t]`` of ``pool[:, layer]`` in place.
+
+    slot = block_id * block_size + offset; a negative slot is padding and is
+    skipped. Slots must be distinct. Synchronous on CPU; stream-ordered on CUDA.
+    """
+    check_write_kv(pool, layer, k, v, slot_mapping)
+    block_size = pool.shape[3]
+    slots = slot_mapping
+    if slots.numel() and bool((slots < 0).any()):
+        keep = slots >= 0
+        slots, k, v = slots[keep], k[keep], v[keep]
+    blocks, offsets = slots // block_size, slots % block_size
+    pool[:, layer, 0].index_put_((blocks, offsets), k.to(pool.dtype))
+    pool[:, layer, 1].index_put_((blocks, offsets), v.to(pool.dtype))
