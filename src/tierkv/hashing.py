@@ -9,6 +9,7 @@ cache salt). Only full blocks get keys. Never Python's ``hash()``.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
 from typing import NewType
 
@@ -20,6 +21,18 @@ BlockHash = NewType("BlockHash", bytes)
 
 ALGORITHMS = ("xxh3_128", "sha256", "blake2b")
 HASH_BYTES = 16
+
+
+def token_bytes(token_ids: Sequence[int] | np.ndarray) -> bytes:
+    """Little-endian int32 bytes of token ids (struct is ~2x faster than numpy for lists)."""
+    if isinstance(token_ids, np.ndarray):
+        return token_ids.astype("<i4", copy=False).tobytes()
+    if isinstance(token_ids, (bytes, bytearray)):
+        raise TypeError("token_ids: expected a sequence of ints, got bytes")
+    try:
+        return struct.pack(f"<{len(token_ids)}i", *token_ids)
+    except struct.error as exc:
+        raise ValueError(f"token_ids: every id must fit in int32 ({exc})") from None
 
 
 class BlockHasher:
@@ -36,6 +49,10 @@ class BlockHasher:
         self.algorithm = algorithm
         self._key = key or b""
         self._digest = self._make_digest()
+        if algorithm == "sha256":
+            self._base = hashlib.sha256()
+        elif algorithm == "blake2b":
+            self._base = hashlib.blake2b(digest_size=HASH_BYTES, key=self._key)
 
     def _make_digest(self):
         if self.algorithm == "xxh3_128":
@@ -68,14 +85,23 @@ class BlockHasher:
         ``parent`` is the hash of block ``start - 1`` (``seed`` when ``start`` is 0),
         so callers that already hashed a prefix extend the chain without rehashing it.
         """
-        data = np.asarray(token_ids, dtype="<i4").tobytes()
+        data = token_bytes(token_ids)
         step = 4 * block_size
         end = (len(data) // step) * step
         prev = seed if parent is None else parent
-        digest = self._digest
         out: list[BlockHash] = []
         append = out.append
+        if self.algorithm == "xxh3_128":
+            digest = xxhash.xxh3_128_digest
+            for off in range(start * step, end, step):
+                prev = digest(prev + data[off : off + step])
+                append(prev)
+            return out
+        # Copying a primed hash object skips OpenSSL's per-object setup (~15% of a small hash).
+        fresh = self._base.copy
         for off in range(start * step, end, step):
-            prev = digest(prev + data[off : off + step])
+            h = fresh()
+            h.update(prev + data[off : off + step])
+            prev = h.digest()[:HASH_BYTES]
             append(prev)
         return out
