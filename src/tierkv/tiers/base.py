@@ -8,6 +8,7 @@ reported per key (``False``), never raised for a lost or bad block.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
@@ -60,10 +61,7 @@ def copy_block(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
 
 
-def _memmove(dst: int, src: int, n: int) -> None:
-    import ctypes
-
-    ctypes.memmove(dst, src, n)
+_memmove = ctypes.memmove  # (dst address, src address, n); releases the GIL
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:

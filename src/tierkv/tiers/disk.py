@@ -173,13 +173,36 @@ class DiskTier:
         return out
 
     def get(self, keys: Sequence[bytes], dst: Sequence[torch.Tensor]) -> list[bool]:
-        """Read and verify blocks into ``dst``; a missing, short or corrupt block is False."""
+        """Read and verify blocks into ``dst``; a missing, short or corrupt block is False.
+
+        Aligned destinations on consecutive slots are read with one preadv per run.
+        """
         with self._env.begin() as txn:
             recs = [txn.get(k, db=self._blocks) for k in keys]
         out = [False] * len(keys)
-        wanted = [(Record(k, r), i) for i, (k, r) in enumerate(zip(keys, recs)) if r is not None]
-        bad = []
-        for rec, i in wanted:
+        direct, staged, bad = [], [], []
+        for i, (key, raw) in enumerate(zip(keys, recs)):
+            if raw is None:
+                continue
+            rec = Record(key, raw)
+            view = self._aligned(dst[i]) if rec.slot < self._capacity else None
+            if view is None:
+                staged.append((rec, i))
+            else:
+                direct.append((rec.slot, rec, i, view))
+        direct.sort(key=lambda item: item[0])
+        for run in _runs(direct):
+            try:
+                n = os.preadv(self._fd, [item[3] for item in run], run[0][0] * self.stride)
+            except OSError as exc:
+                self._on_failure("l3", "io", len(run), f"{self.path}: {exc}")
+                continue
+            for j, (_, rec, i, view) in enumerate(run):
+                if n >= (j + 1) * self.stride and _checksum(rec.key, view) == rec.checksum:
+                    out[i] = True
+                else:
+                    bad.append(rec)
+        for rec, i in staged:
             try:
                 ok = self._read_one(rec, dst[i])
             except OSError as exc:
@@ -269,19 +292,31 @@ class DiskTier:
         return None
 
     def _write_runs(self, items: list[tuple[int, torch.Tensor]], keys: list[bytes]) -> list[int]:
-        sums = []
-        for (slot, src), key in zip(items, keys):
+        """Write blocks to their slots (one pwritev per run of consecutive aligned slots); checksums."""
+        sums = [0] * len(items)
+        direct = []
+        for j, ((slot, src), key) in enumerate(zip(items, keys)):
             src = src if src.device.type == "cpu" else src.cpu()
             view = self._aligned(src)
             if view is None:
                 bounce = self._bounce
                 view = memoryview(bounce)
                 view[: self.block_bytes] = as_bytes(src.contiguous())
-            sums.append(_checksum(key, view[: self.block_bytes]))
-            n = os.pwritev(self._fd, [view], slot * self.stride)
-            if n != self.stride:
-                raise OSError(errno.EIO, f"short write of slot {slot}: {n} of {self.stride} bytes")
+                sums[j] = _checksum(key, view[: self.block_bytes])
+                self._pwrite(view, slot, 1)
+            else:
+                sums[j] = _checksum(key, view)
+                direct.append((slot, j, view))
+        direct.sort(key=lambda item: item[0])
+        for run in _runs(direct):
+            self._pwrite([item[2] for item in run], run[0][0], len(run))
         return sums
+
+    def _pwrite(self, views, slot: int, count: int) -> None:
+        views = views if isinstance(views, list) else [views]
+        n = os.pwritev(self._fd, views, slot * self.stride)
+        if n != count * self.stride:
+            raise OSError(errno.EIO, f"short write at slot {slot}: {n} of {count * self.stride} bytes")
 
     def _read_one(self, rec: Record, dst: torch.Tensor) -> bool:
         if rec.slot >= self._capacity:
@@ -310,6 +345,21 @@ class DiskTier:
                         txn.put(_SLOT.pack(rec.slot), b"", db=self._free)
         except lmdb.Error as exc:
             self._on_failure("l3", "index", len(recs), f"{self.path}: {exc}")
+
+
+_MAX_RUN = 64  # blocks per preadv/pwritev (well under IOV_MAX; 32 MiB at 512 KiB blocks)
+
+
+def _runs(items: list[tuple]) -> Iterator[list[tuple]]:
+    """Split (slot, ...) items sorted by slot into runs of consecutive slots."""
+    run: list[tuple] = []
+    for item in items:
+        if run and (item[0] != run[-1][0] + 1 or len(run) == _MAX_RUN):
+            yield run
+            run = []
+        run.append(item)
+    if run:
+        yield run
 
 
 def _checksum(key: bytes, data) -> int:

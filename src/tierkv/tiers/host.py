@@ -23,7 +23,7 @@ import torch
 import xxhash
 
 from tierkv.layout import KVLayout
-from tierkv.tiers.base import Lineage, as_bytes, copy_block
+from tierkv.tiers.base import Lineage, _memmove, as_bytes, copy_block
 
 _SHARED_REC = struct.Struct("<IQ")  # slot, checksum
 
@@ -57,10 +57,14 @@ class HostTier:
                 os.close(fd)
             self._slots = _SharedSlots(path + ".lmdb", num_blocks)
         else:
-            self._mm = mmap.mmap(-1, nbytes, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            # MAP_POPULATE: fault the slab in once now, not on the first put of every page.
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+            self._mm = mmap.mmap(-1, nbytes, flags)
             self._slots = _LocalSlots(num_blocks)
         flat = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.slab = flat.view(layout.torch_dtype).view(layout.pool_shape(num_blocks))
+        self._base = self.slab.data_ptr()
+        self._bb = layout.block_bytes
         self.pinned = pin and _register_pinned(self.slab)
 
     @property
@@ -92,7 +96,7 @@ class HostTier:
                 out.append(False)
                 continue
             if fresh:
-                copy_block(self.slab[slot], src)
+                self._copy_in(slot, src)
                 if self._shared:
                     self._slots.commit(key, slot, _checksum(key, self.slab[slot]))
             out.append(True)
@@ -105,7 +109,7 @@ class HostTier:
             if found is None:
                 out.append(False)
                 continue
-            copy_block(d, self.slab[found[0]])
+            self._copy_out(d, found[0])
             if self._shared:
                 if d.device.type != "cpu":
                     torch.cuda.current_stream().synchronize()
@@ -117,6 +121,19 @@ class HostTier:
                     continue
             out.append(True)
         return out
+
+    def _copy_in(self, slot: int, src: torch.Tensor) -> None:
+        # Raw addresses: indexing the slab costs more than copying a small block.
+        if src.device.type == "cpu" and src.is_contiguous() and src.nbytes == self._bb:
+            _memmove(self._base + slot * self._bb, src.data_ptr(), self._bb)
+        else:
+            copy_block(self.slab[slot], src)
+
+    def _copy_out(self, dst: torch.Tensor, slot: int) -> None:
+        if dst.device.type == "cpu" and dst.is_contiguous() and dst.nbytes == self._bb:
+            _memmove(dst.data_ptr(), self._base + slot * self._bb, self._bb)
+        else:
+            copy_block(dst, self.slab[slot])
 
     def remove(self, keys: Sequence[bytes]) -> None:
         for key in keys:
