@@ -352,8 +352,10 @@ class TierKVStore:
             for j, i in enumerate(positions):
                 key, tier = m.keys[i], m.tiers[i]
                 if not ok[i]:
+                    # L3 already removed a bad block itself; L2 and L4 misses need no cleanup there.
+                    if tier == Tier.L2:
+                        self.l2.remove([key])
                     if tier != Tier.L4:
-                        self._tiers[tier].remove([key]) if tier == Tier.L2 else None
                         self.index.drop(key, tier)
                     continue
                 if slots is None or i >= first_bad:
