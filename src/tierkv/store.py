@@ -240,8 +240,8 @@ class TierKVStore:
         if lower is not None and (lower == Tier.L4 or not entry.in_tier(lower)):
             src = self._block_view(entry, tier)
             if src is not None:
-                self.transfer.d2h_sync()
                 self._put_lower(entry, lower, src)
+                self.transfer.d2h_sync()  # the device slot is reused as soon as we return
         if tier == Tier.L1:
             slot = entry.l1_slot
             self.index.drop(key, Tier.L1)
