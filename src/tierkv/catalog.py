@@ -1,0 +1,138 @@
+"""What the tools know about an L3 directory beyond its slot index (DESIGN §12).
+
+An L3 record holds a block's key, parent, depth, checksum and creation time,
+but not the namespace its chain was hashed under (a key cannot be inverted)
+nor how often it was hit. The ``tierkv`` tools that know both — ``warm``,
+``run``, ``serve``, ``import`` — write them here, in a small LMDB environment
+``catalog/`` beside the slot index:
+
+- ``ns``:   root key (depth 0) -> namespace (utf-8)
+- ``hits``: key -> (hit count, last hit time)
+
+The catalog is advisory: a chain without a label shows as namespace ``?`` and
+a block without a count as 0 hits. Several processes may write it at once
+(LMDB serialises writers). This module also opens an existing L3 directory
+with the layout and capacity it was created with, for the offline commands.
+"""
+
+from __future__ import annotations
+
+import ast
+import struct
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import lmdb
+
+from tierkv.layout import KVLayout
+from tierkv.tiers.disk import DiskTier, Record
+
+_HIT = struct.Struct("<Qd")  # count, last hit (unix seconds)
+UNLABELLED = "?"
+
+
+class Catalog:
+    """Namespace labels and hit counts for the blocks of one L3 directory. Thread-safe."""
+
+    def __init__(self, l3_path: str | Path) -> None:
+        path = Path(l3_path).expanduser() / "catalog"
+        path.mkdir(parents=True, exist_ok=True)
+        self._env = lmdb.open(str(path), map_size=1 << 30, max_dbs=2, subdir=True, lock=True)
+        self._ns = self._env.open_db(b"ns")
+        self._hits = self._env.open_db(b"hits")
+
+    def label(self, roots: Iterable[bytes], namespace: str) -> None:
+        """Record that the chains starting at ``roots`` were hashed under ``namespace``."""
+        with self._env.begin(write=True) as txn:
+            for root in roots:
+                txn.put(root, namespace.encode(), db=self._ns)
+
+    def namespaces(self) -> dict[bytes, str]:
+        with self._env.begin() as txn:
+            return {bytes(k): bytes(v).decode() for k, v in txn.cursor(db=self._ns)}
+
+    def count_hits(self, keys: Sequence[bytes], when: float | None = None) -> None:
+        """Add one hit to each of ``keys`` (the blocks one request found cached)."""
+        if not keys:
+            return
+        when = time.time() if when is None else when
+        with self._env.begin(write=True) as txn:
+            for key in keys:
+                raw = txn.get(key, db=self._hits)
+                n = _HIT.unpack(raw)[0] if raw is not None else 0
+                txn.put(key, _HIT.pack(n + 1, when), db=self._hits)
+
+    def hits(self) -> dict[bytes, tuple[int, float]]:
+        with self._env.begin() as txn:
+            return {bytes(k): _HIT.unpack(v) for k, v in txn.cursor(db=self._hits)}
+
+    def forget(self, keys: Iterable[bytes]) -> None:
+        """Drop labels and counts of removed blocks."""
+        with self._env.begin(write=True) as txn:
+            for key in keys:
+                txn.delete(key, db=self._ns)
+                txn.delete(key, db=self._hits)
+
+    def close(self) -> None:
+        self._env.close()
+
+
+def stored_layout(l3_path: str | Path) -> tuple[KVLayout, int, dict[str, str]] | None:
+    """(layout, capacity in blocks, meta) of an existing L3 directory, or None if there is none.
+
+    Reads the LMDB meta table without opening the slot file, so it works on a
+    directory of any layout.
+    """
+    index = Path(l3_path).expanduser() / "index"
+    if not (index / "data.mdb").exists():
+        return None
+    env = lmdb.open(str(index), readonly=True, lock=False, max_dbs=4, subdir=True)
+    try:
+        meta_db = env.open_db(b"meta", create=False)
+        with env.begin() as txn:
+            meta = {bytes(k).decode(): bytes(v).decode() for k, v in txn.cursor(db=meta_db)}
+    except lmdb.Error:
+        return None
+    finally:
+        env.close()
+    if "layout" not in meta:
+        return None
+    layout = KVLayout(**ast.literal_eval(meta["layout"]))
+    return layout, int(meta.get("capacity", "0")), meta
+
+
+def open_l3(l3_path: str | Path, direct_io: bool = True) -> DiskTier:
+    """Open an existing L3 directory with the layout and capacity it was created with.
+
+    Raises FileNotFoundError naming the path when there is no L3 there.
+    """
+    found = stored_layout(l3_path)
+    if found is None:
+        raise FileNotFoundError(f"l3.path: no tierkv L3 directory at {Path(l3_path).expanduser()}")
+    layout, capacity, _ = found
+    return DiskTier(l3_path, layout, capacity, direct_io=direct_io, create=False)
+
+
+def subtree(records: Sequence[Record], roots: Iterable[bytes]) -> set[bytes]:
+    """Keys of ``roots`` and every record that descends from one of them."""
+    children: dict[bytes, list[bytes]] = {}
+    for rec in records:
+        if rec.parent is not None:
+            children.setdefault(rec.parent, []).append(rec.key)
+    out: set[bytes] = set()
+    todo = list(roots)
+    while todo:
+        key = todo.pop()
+        if key in out:
+            continue
+        out.add(key)
+        todo.extend(children.get(key, ()))
+    return out
+
+
+def orphans(records: Sequence[Record]) -> set[bytes]:
+    """Keys whose chain is broken: some ancestor is no longer stored, so no lookup can reach them."""
+    present = {rec.key for rec in records}
+    broken = [rec.key for rec in records if rec.depth > 0 and rec.parent not in present]
+    return subtree(records, broken)

@@ -1,0 +1,56 @@
+"""The `tierkv` command (DESIGN §12): run, info, ls, warm, verify, evict, export, import, bench, serve.
+
+``main`` is the console-script entry point. It maps outcomes to exit codes
+(0 success, 1 failure, 2 bad usage) and prints failures on one line; pass
+``--debug`` anywhere on the command line for the traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from tierkv.cli import bench_cmd, engine_cmds, info_cmd, store_cmds  # noqa: F401  (registers commands)
+from tierkv.cli.common import CLIError, app, err_console
+
+__all__ = ["app", "main"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command line; returns (and exits with) the status."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    debug = "--debug" in args
+    try:
+        rv = app(args=args, prog_name="tierkv", standalone_mode=False)
+        code = rv if isinstance(rv, int) else 0
+    except click.exceptions.Exit as exc:
+        code = exc.exit_code
+    except click.UsageError as exc:
+        exc.show()
+        code = 2
+    except click.Abort:
+        err_console.print("aborted")
+        code = 1
+    except KeyboardInterrupt:
+        err_console.print("interrupted")
+        code = 130
+    except CLIError as exc:
+        if debug:
+            raise
+        err_console.print(f"error: {exc}", markup=False, soft_wrap=True)
+        code = exc.code
+    except (ValueError, OSError, RuntimeError) as exc:
+        if debug:
+            raise
+        err_console.print(f"error: {exc}", markup=False, soft_wrap=True)
+        code = 1
+    except Exception as exc:  # anything else is a bug: still one line, traceback with --debug
+        if debug:
+            raise
+        err_console.print(f"error: {type(exc).__name__}: {exc} (run with --debug for the traceback)",
+                          markup=False, soft_wrap=True)
+        code = 1
+    if argv is None:
+        sys.exit(code)
+    return code

@@ -1,0 +1,1 @@
+"""Commands that drive the engine: run, warm, serve."""

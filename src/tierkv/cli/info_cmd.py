@@ -1,0 +1,161 @@
+"""`tierkv info`: config, layout and every tier's capacity, usage and counters."""
+
+from __future__ import annotations
+
+import time
+import urllib.error
+import urllib.request
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from tierkv.catalog import Catalog, open_l3
+from tierkv.cli.common import CacheDir, CLIError, ConfigFile, Debug, Json, app, console, human_bytes, print_json, settings
+from tierkv.metrics import TIER_NAMES
+
+
+def read_metrics(url: str, timeout: float = 5.0) -> dict:
+    """Per-tier figures from a running server's Prometheus ``/metrics``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    if not url.rstrip("/").endswith("/metrics"):
+        url = url.rstrip("/") + "/metrics"
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            text = resp.read().decode()
+    except (urllib.error.URLError, OSError) as exc:
+        raise CLIError(f"--url: cannot read {url}: {getattr(exc, 'reason', exc)}") from None
+    tiers = {t: {"hits": 0, "evictions": 0, "blocks": None, "capacity_blocks": None, "bytes_read": 0,
+                 "bytes_write": 0, "corrupt": 0} for t in TIER_NAMES}
+    totals: dict[str, float] = {}
+    names = {"tierkv_hits": "hits", "tierkv_evictions": "evictions", "tierkv_blocks": "blocks",
+             "tierkv_capacity_blocks": "capacity_blocks", "tierkv_corrupt_blocks": "corrupt"}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            tier = sample.labels.get("tier")
+            base = sample.name.removesuffix("_total")
+            if base in names and tier in tiers:
+                tiers[tier][names[base]] = int(sample.value)
+            elif base == "tierkv_bytes" and tier in tiers:
+                tiers[tier][f"bytes_{sample.labels.get('direction')}"] = int(sample.value)
+            elif sample.name.startswith("tierkv_") and not sample.labels:
+                totals[sample.name] = sample.value
+    return {"url": url, "tiers": tiers, "totals": totals}
+
+
+def local_info(s) -> dict:
+    cfg = s.config
+    out = {
+        "cache_dir": str(s.cache_dir),
+        "config": {"model_id": cfg.model_id, "model_revision": cfg.model_revision, "namespace": cfg.namespace,
+                   "policy": cfg.policy.name, "write": cfg.policy.write, "hashing": cfg.hashing.algorithm},
+        "tiers": {
+            "l1": {"where": "engine device pool (per process)", "capacity_bytes": None},
+            "l2": {"where": f"/dev/shm/tierkv-{cfg.l2.shared_name}" if cfg.l2.shared_name else "process RAM",
+                   "capacity_bytes": cfg.l2.capacity},
+            "l3": {"where": str(s.l3_path), "capacity_bytes": cfg.l3.capacity, "present": False},
+            "l4": {"where": cfg.l4.url or "(none)"},
+        },
+    }
+    l3 = out["tiers"]["l3"]
+    try:
+        disk = open_l3(s.l3_path, cfg.l3.direct_io)
+    except FileNotFoundError:
+        return out
+    try:
+        meta = disk.meta()
+        l3.update(present=True, capacity_blocks=disk.capacity, used_blocks=disk.used,
+                  capacity_bytes=disk.capacity * disk.stride, used_bytes=disk.used * disk.block_bytes,
+                  direct_io=disk.direct, model_id=meta.get("model_id"), model_revision=meta.get("model_revision"))
+        out["layout"] = {**disk.layout.to_dict(), "fingerprint": disk.layout.fingerprint,
+                         "block_bytes": disk.layout.block_bytes}
+        catalog = Catalog(s.l3_path)
+        hits = catalog.hits()
+        labels = catalog.namespaces()
+        catalog.close()
+        l3["hits_recorded"] = sum(n for n, _ in hits.values())
+        l3["last_hit_age_s"] = round(time.time() - max(t for _, t in hits.values()), 1) if hits else None
+        l3["namespaces"] = sorted({ns or "(default)" for ns in labels.values()})
+        if cfg.l4.url:
+            out["tiers"]["l4"].update(_probe_l4(cfg, disk.layout))
+    finally:
+        disk.close()
+    return out
+
+
+def _probe_l4(cfg, layout) -> dict:
+    try:
+        from tierkv.tiers.remote import open_remote
+
+        remote = open_remote(cfg.l4, layout, lambda *a: None)
+    except Exception as exc:  # a dead or unsupported pool is something to report, not a crash
+        return {"reachable": False, "error": str(exc)}
+    out = {"reachable": True}
+    for name in ("used", "capacity"):
+        try:
+            out[f"{name}_blocks"] = getattr(remote, name)
+        except Exception as exc:  # backends may not count; say so
+            out[f"{name}_blocks"] = f"unknown ({exc})"
+    close = getattr(remote, "close", None)
+    if close is not None:
+        close()
+    return out
+
+
+@app.command("info", epilog="Examples: `tierkv info`, `tierkv info --url http://127.0.0.1:8000 --json`")
+def info_cmd(
+    url: Annotated[str | None, typer.Option("--url", help="Read a running `tierkv serve` at this URL (its /metrics).")] = None,
+    json_out: Json = False, cache_dir: CacheDir = None, config: ConfigFile = None, debug: Debug = False,
+) -> None:
+    """Show the config, the block layout and each tier's capacity, usage and counters."""
+    if url is not None:
+        data = read_metrics(url)
+        if json_out:
+            print_json(data)
+            return
+        table = Table(title=f"tierkv at {data['url']}")
+        for col in ("tier", "blocks", "capacity", "hits", "evictions", "read", "written", "corrupt"):
+            table.add_column(col, justify="right")
+        for tier, v in data["tiers"].items():
+            table.add_row(tier, _opt(v["blocks"]), _opt(v["capacity_blocks"]), str(v["hits"]), str(v["evictions"]),
+                          human_bytes(v["bytes_read"]), human_bytes(v["bytes_write"]), str(v["corrupt"]))
+        console.print(table)
+        t = data["totals"]
+        console.print(f"lookups {t.get('tierkv_lookups_total', 0):.0f}, blocks missed {t.get('tierkv_misses_total', 0):.0f}")
+        return
+    s = settings(cache_dir, config, debug)
+    data = local_info(s)
+    if json_out:
+        print_json(data)
+        return
+    cfg = data["config"]
+    console.print(f"[bold]cache dir[/] {data['cache_dir']}   model {cfg['model_id']}@{cfg['model_revision']}   "
+                  f"policy {cfg['policy']} ({cfg['write']})   hashing {cfg['hashing']}")
+    if "layout" in data:
+        lay = data["layout"]
+        console.print(f"[bold]layout[/] {lay['fingerprint']}: {lay['num_layers']} layers x {lay['num_kv_heads']} kv heads "
+                      f"x {lay['head_dim']} dim, {lay['block_size']} tokens/block, {lay['dtype']}, "
+                      f"{human_bytes(lay['block_bytes'])}/block")
+    table = Table(title="tiers")
+    for col in ("tier", "where", "capacity", "used", "notes"):
+        table.add_column(col)
+    tiers = data["tiers"]
+    table.add_row("l1", tiers["l1"]["where"], "-", "-", "lives in the engine process")
+    table.add_row("l2", tiers["l2"]["where"], human_bytes(tiers["l2"]["capacity_bytes"]), "-", "lives in the engine process")
+    l3 = tiers["l3"]
+    if l3["present"]:
+        table.add_row("l3", l3["where"], f"{human_bytes(l3['capacity_bytes'])} ({l3['capacity_blocks']} blocks)",
+                      f"{human_bytes(l3['used_bytes'])} ({l3['used_blocks']} blocks)",
+                      f"model {l3['model_id']}@{l3['model_revision']}, {l3['hits_recorded']} hits recorded, "
+                      f"namespaces {', '.join(l3['namespaces']) or '-'}")
+    else:
+        table.add_row("l3", l3["where"], human_bytes(l3["capacity_bytes"]), "0", "not created yet")
+    l4 = tiers["l4"]
+    table.add_row("l4", l4["where"], str(l4.get("capacity_blocks", "-")), str(l4.get("used_blocks", "-")),
+                  l4.get("error", "reachable" if l4.get("reachable") else ""))
+    console.print(table)
+
+
+def _opt(v) -> str:
+    return "-" if v is None else str(v)
