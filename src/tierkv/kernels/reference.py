@@ -13,6 +13,9 @@ sync). Values are trusted: block ids, slot ids and lengths must be in range.
 
 from __future__ import annotations
 
+import math
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -23,12 +26,40 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
 
-def _gather_heads_first(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """cache [N, B, Hkv, D], blocks int [..., M] -> [..., Hkv, M*B, D] (one copy)."""
-    out = cache[blocks]  # [..., M, B, Hkv, D], contiguous
-    lead = out.shape[:-4]
-    m, b, hkv, d = out.shape[-4:]
-    return out.view(*lead, m * b, hkv, d).transpose(-3, -2)
+class _Workspace(threading.local):
+    """Per-thread gather buffers for CPU, reused across calls.
+
+    A fresh multi-megabyte tensor per layer costs more in page faults than the
+    gather itself (measured ~10 ms vs ~1.5 ms for 25 MB), so gathers land in
+    buffers that only grow. Thread-local, so concurrent callers never share one.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, slot: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        numel = math.prod(shape)
+        buf = self.buffers.get((slot, dtype))
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel + numel // 4, dtype=dtype)
+            self.buffers[(slot, dtype)] = buf
+        return buf[:numel].view(shape)
+
+
+_WORKSPACE = _Workspace()
+
+
+def _gather_heads_first(cache: torch.Tensor, blocks: torch.Tensor, slot: str) -> torch.Tensor:
+    """cache [N, B, Hkv, D], blocks int64 [..., M] -> [..., Hkv, M*B, D] (one copy, a view of it)."""
+    flat = blocks.reshape(-1)
+    _, b, hkv, d = cache.shape
+    # index_select on dim 0 copies whole [B, Hkv, D] rows; advanced indexing is ~5x slower on CPU.
+    if cache.device.type == "cpu":
+        out = _WORKSPACE.get(slot, (flat.numel(), b, hkv, d), cache.dtype)
+        torch.index_select(cache, 0, flat, out=out)
+    else:
+        out = cache.index_select(0, flat)
+    return out.view(*blocks.shape[:-1], blocks.shape[-1] * b, hkv, d).transpose(-3, -2)
 
 
 def _prefill_one(q_s, k_cache, v_cache, blocks, ctx, scale, cdt):
@@ -36,20 +67,24 @@ def _prefill_one(q_s, k_cache, v_cache, blocks, ctx, scale, cdt):
     q_len, hq, d = q_s.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
-    k = _gather_heads_first(k_cache, blocks)[:, :ctx].to(cdt)  # [Hkv, ctx, D]
-    v = _gather_heads_first(v_cache, blocks)[:, :ctx].to(cdt)
-    # Query head h reads KV head h // group: rows of one KV head are [group * q_len].
-    qh = q_s.to(cdt).view(q_len, hkv, group, d).permute(1, 2, 0, 3).reshape(hkv, group * q_len, d)
+    # Query head h reads KV head h // group. K/V are expanded (stride 0) over the group:
+    # measured 3x faster than repeat_interleave or enable_gqa on CPU, and no copy.
+    k = _gather_heads_first(k_cache, blocks, "k")[:, :ctx].to(cdt)  # [Hkv, ctx, D]
+    v = _gather_heads_first(v_cache, blocks, "v")[:, :ctx].to(cdt)
+    k = k[:, None].expand(hkv, group, ctx, d)
+    v = v[:, None].expand(hkv, group, ctx, d)
+    qh = q_s.to(cdt).view(q_len, hkv, group, d).permute(1, 2, 0, 3)  # [Hkv, G, q_len, D]
     if q_len == 1:
         out = F.scaled_dot_product_attention(qh, k, v, scale=scale)
     elif q_len == ctx:
         out = F.scaled_dot_product_attention(qh, k, v, is_causal=True, scale=scale)
     else:
-        # Row i sits at absolute position ctx - q_len + i and sees keys 0..that position.
+        # Row i sits at absolute position ctx - q_len + i and sees keys 0..that position
+        # (is_causal would align the mask top-left, i.e. ignore the cached prefix).
         rows = torch.arange(q_len, device=q_s.device) + (ctx - q_len)
         mask = torch.arange(ctx, device=q_s.device)[None, :] <= rows[:, None]
-        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask.repeat(group, 1), scale=scale)
-    return out.view(hkv, group, q_len, d).permute(2, 0, 1, 3).reshape(q_len, hq, d)
+        out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale)
+    return out.permute(2, 0, 1, 3).reshape(q_len, hq, d)
 
 
 def _decode_batch(q_d, k_cache, v_cache, tables, ctxs, scale, cdt):
@@ -57,8 +92,8 @@ def _decode_batch(q_d, k_cache, v_cache, tables, ctxs, scale, cdt):
     n, hq, d = q_d.shape
     hkv = k_cache.shape[2]
     group = hq // hkv
-    k = _gather_heads_first(k_cache, tables).to(cdt)  # [n, Hkv, M*B, D]
-    v = _gather_heads_first(v_cache, tables).to(cdt)
+    k = _gather_heads_first(k_cache, tables, "k").to(cdt)  # [n, Hkv, M*B, D]
+    v = _gather_heads_first(v_cache, tables, "v").to(cdt)
     qh = q_d.to(cdt).view(n, hkv, group, d)
     mask = torch.arange(k.shape[2], device=q_d.device)[None, :] < ctxs[:, None]
     out = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask[:, None, None, :], scale=scale)
