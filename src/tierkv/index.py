@@ -76,6 +76,10 @@ class PrefixIndex:
         if half_life <= 0:
             raise ValueError(f"index.half_life: expected > 0, got {half_life}")
         self._entries: dict[bytes, Entry] = {}
+        # Parents no tier holds whose children are cached (a parent evicted first, or
+        # never added): never matched, but they keep counting those children, so a
+        # parent cached again is still an inner block, not an eviction candidate.
+        self._uncached_parents: dict[bytes, Entry] = {}
         self.policies = list(policies)
         self.counts = [0, 0, 0]
         self.clock = 0
@@ -111,7 +115,11 @@ class PrefixIndex:
         """Record that ``tier`` holds ``key`` (creating the entry if new)."""
         entry = self._entries.get(key)
         if entry is None:
-            entry = Entry(key, parent, depth)
+            entry = self._uncached_parents.pop(key, None)
+            if entry is None:
+                entry = Entry(key, parent, depth)
+            else:
+                entry.parent, entry.depth = parent, depth
             entry.last_access = self.clock
             self._entries[key] = entry
         bit = 1 << tier
@@ -121,11 +129,12 @@ class PrefixIndex:
         entry.best = _BEST[entry.mask]
         self.counts[tier] += 1
         if parent is not None:
-            parent_entry = self._entries.get(parent)
-            if parent_entry is not None:
-                parent_entry.children[tier] += 1
-                if parent_entry.children[tier] == 1:
-                    self._unlist(parent_entry, tier)
+            parent_entry = self._entries.get(parent) or self._uncached_parents.get(parent)
+            if parent_entry is None:
+                parent_entry = self._uncached_parents[parent] = Entry(parent, None, max(depth - 1, 0))
+            parent_entry.children[tier] += 1
+            if parent_entry.children[tier] == 1:
+                self._unlist(parent_entry, tier)
         self._relist(entry, tier)
         return entry
 
@@ -141,13 +150,17 @@ class PrefixIndex:
             entry.l1_slot = None
         self.counts[tier] -= 1
         if entry.parent is not None:
-            parent_entry = self._entries.get(entry.parent)
+            parent_entry = self._entries.get(entry.parent) or self._uncached_parents.get(entry.parent)
             if parent_entry is not None:
                 parent_entry.children[tier] -= 1
                 if parent_entry.children[tier] == 0:
                     self._relist(parent_entry, tier)
+                    if parent_entry.mask == 0 and not any(parent_entry.children):
+                        del self._uncached_parents[entry.parent]
         if entry.mask == 0:
             del self._entries[key]
+            if any(entry.children):
+                self._uncached_parents[key] = entry
         return entry
 
     # -- use ------------------------------------------------------------------
