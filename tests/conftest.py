@@ -1,0 +1,47 @@
+"""Shared fixtures: a small canonical layout, a temporary L3 directory and a store factory.
+
+``make_store(l1=4, l2=4, l3=16)`` builds a TierKVStore whose tier capacities
+are given in blocks (0 disables L2/L3); every store it made is closed at
+teardown. Helpers for deterministic blocks live in ``tests/_kv.py`` so that
+subprocess workers can use them too.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _kv import LAYOUT, store_config  # noqa: E402
+
+from tierkv.layout import KVLayout  # noqa: E402
+from tierkv.store import TierKVStore  # noqa: E402
+
+
+@pytest.fixture
+def layout() -> KVLayout:
+    return LAYOUT
+
+
+@pytest.fixture
+def l3_dir(tmp_path: Path) -> Path:
+    return tmp_path / "l3"
+
+
+@pytest.fixture
+def make_store(layout: KVLayout, l3_dir: Path):
+    opened: list[TierKVStore] = []
+
+    def make(l1: int = 4, l2: int = 4, l3: int = 16, *, path: str | Path | None = None,
+             layout: KVLayout = layout, **fields) -> TierKVStore:
+        cfg = store_config(layout, l2, l3, path or l3_dir, **fields)
+        store = TierKVStore(cfg, layout, l1_blocks=l1)
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        store.close()

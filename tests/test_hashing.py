@@ -1,0 +1,126 @@
+"""Chained 128-bit block hashes exactly as DESIGN §3, recomputed by hand."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import xxhash
+
+from tierkv.hashing import HASH_BYTES, BlockHasher
+
+KEY = bytes(range(1, 33))
+
+
+def hasher(algorithm: str) -> BlockHasher:
+    return BlockHasher(algorithm, KEY if algorithm == "blake2b" else None)
+
+
+def reference_digest(algorithm: str, data: bytes) -> bytes:
+    """H of DESIGN §3, written from the spec with the libraries themselves."""
+    if algorithm == "xxh3_128":
+        return xxhash.xxh3_128(data).digest()
+    if algorithm == "sha256":
+        return hashlib.sha256(data).digest()[:16]
+    return hashlib.blake2b(data, digest_size=16, key=KEY).digest()
+
+
+def reference_seed(algorithm: str, *parts: str) -> bytes:
+    # Each part is length-prefixed and parts are joined with 0x1f, so no two tuples collide.
+    text = "\x1f".join(f"{len(p)}:{p}" for p in ("tierkv-v1", *parts))
+    return reference_digest(algorithm, text.encode())
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256", "blake2b"])
+def test_chain_follows_design_section_3(algorithm):
+    h = hasher(algorithm)
+    seed = h.seed("meta/llama-3", "rev7", "00ff00ff00ff00ff", "tenant-a")
+    assert seed == reference_seed(algorithm, "meta/llama-3", "rev7", "00ff00ff00ff00ff", "tenant-a")
+    tokens = [1, 2, 3, 70000, -5, 2**31 - 1, 0, 9, 42, 43]  # two full blocks of 4 and a partial one
+    hashes = h.hash_blocks(tokens, 4, seed)
+    t0 = b"".join(t.to_bytes(4, "little", signed=True) for t in tokens[0:4])
+    t1 = b"".join(t.to_bytes(4, "little", signed=True) for t in tokens[4:8])
+    h0 = reference_digest(algorithm, seed + t0)
+    h1 = reference_digest(algorithm, h0 + t1)
+    assert hashes == [h0, h1]
+    assert all(isinstance(x, bytes) and len(x) == HASH_BYTES == 16 for x in hashes)
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256", "blake2b"])
+def test_extra_keys_enter_the_first_block_and_so_every_block(algorithm):
+    h = hasher(algorithm)
+    tokens = list(range(12))
+    plain = h.hash_blocks(tokens, 4, h.seed("m", "r", "f", "ns"))
+    lora = h.hash_blocks(tokens, 4, h.seed("m", "r", "f", "ns", ("lora:abc",)))
+    assert h.seed("m", "r", "f", "ns", ("lora:abc",)) == reference_seed(algorithm, "m", "r", "f", "ns", "lora:abc")
+    assert all(a != b for a, b in zip(plain, lora))
+
+
+def test_seed_binds_every_part_without_ambiguity():
+    h = BlockHasher()
+    seeds = {
+        h.seed("m", "r", "f", "ns"), h.seed("m2", "r", "f", "ns"), h.seed("m", "r2", "f", "ns"),
+        h.seed("m", "r", "f2", "ns"), h.seed("m", "r", "f", "ns2"), h.seed("m", "r", "f", ""),
+        # Shifting a separator between parts must not give the same seed.
+        h.seed("mr", "", "f", "ns"), h.seed("m", "rf", "", "ns"),
+    }
+    assert len(seeds) == 8
+
+
+def test_only_full_blocks_and_the_chain_extends_from_a_parent():
+    h = BlockHasher()
+    seed = h.seed("m", "r", "f")
+    tokens = np.arange(4 * 5 + 3, dtype=np.int64)
+    full = h.hash_blocks(tokens, 4, seed)
+    assert len(full) == 5
+    assert h.hash_blocks(tokens[:3], 4, seed) == []
+    assert h.hash_blocks(tokens, 4, seed, start=2, parent=full[1]) == full[2:]
+    assert h.hash_blocks(list(tokens[:8]) + [999] * 4, 4, seed)[:2] == full[:2]
+    assert h.hash_blocks(list(tokens[:8]) + [999] * 4, 4, seed)[2] != full[2]
+
+
+def test_numpy_and_list_tokens_hash_alike():
+    h = BlockHasher("sha256")
+    seed = h.seed("m", "r", "f")
+    assert h.hash_blocks(np.array([5, 6, 7, 8], dtype=np.int32), 4, seed) == h.hash_blocks([5, 6, 7, 8], 4, seed)
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256", "blake2b"])
+def test_hashes_are_identical_in_another_process(algorithm):
+    code = (
+        "import json, sys; from tierkv.hashing import BlockHasher; "
+        f"h = BlockHasher({algorithm!r}, {KEY!r} if {algorithm!r} == 'blake2b' else None); "
+        "s = h.seed('m', 'r', 'fp', 'ns', ('salt',)); "
+        "print(json.dumps([x.hex() for x in h.hash_blocks(list(range(64)), 16, s)]))"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "4242"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env, check=True)
+    h = hasher(algorithm)
+    here = [x.hex() for x in h.hash_blocks(list(range(64)), 16, h.seed("m", "r", "fp", "ns", ("salt",)))]
+    assert json.loads(out.stdout) == here
+    assert len(here) == 4
+
+
+def test_algorithms_differ_and_blake2b_is_keyed():
+    tokens = list(range(16))
+    outs = {}
+    for algorithm in ("xxh3_128", "sha256", "blake2b"):
+        h = hasher(algorithm)
+        outs[algorithm] = h.hash_blocks(tokens, 16, h.seed("m", "r", "f"))[0]
+    assert len(set(outs.values())) == 3
+    other = BlockHasher("blake2b", b"another key")
+    assert other.hash_blocks(tokens, 16, other.seed("m", "r", "f"))[0] != outs["blake2b"]
+
+
+@pytest.mark.parametrize("algorithm,key,field", [
+    ("md5", None, "hashing.algorithm"), ("xxh3_64", None, "hashing.algorithm"),
+    ("blake2b", None, "hashing.key"), ("blake2b", b"", "hashing.key"), ("blake2b", b"k" * 65, "hashing.key"),
+])
+def test_bad_hasher_settings_name_the_field(algorithm, key, field):
+    with pytest.raises(ValueError, match=rf"^{field}:"):
+        BlockHasher(algorithm, key)
