@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import sys
 
-import click
+import typer
+
+try:  # typer >= 0.17 vendors click; older ones raise click's own exceptions
+    from typer._click import ClickException as _ClickError
+except ImportError:
+    from click import ClickException as _ClickError
 
 from tierkv.cli import bench_cmd, engine_cmds, info_cmd, store_cmds  # noqa: F401  (registers commands)
 from tierkv.cli.common import CLIError, app, err_console
@@ -24,14 +29,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rv = app(args=args, prog_name="tierkv", standalone_mode=False)
         code = rv if isinstance(rv, int) else 0
-    except click.exceptions.Exit as exc:
+    except typer.Exit as exc:
         code = exc.exit_code
-    except click.UsageError as exc:
-        exc.show()
-        code = 2
-    except click.Abort:
+    except typer.Abort:
         err_console.print("aborted")
         code = 1
+    except _ClickError as exc:  # usage errors from typer's parser: exit_code 2, printed with usage
+        exc.show()
+        code = exc.exit_code
     except KeyboardInterrupt:
         err_console.print("interrupted")
         code = 130

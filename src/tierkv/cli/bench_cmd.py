@@ -62,16 +62,17 @@ def _measure(name, tier, keys, src, dst, lineage, layout) -> list[dict]:
 @app.command("bench", epilog="Example: `tierkv bench --json`")
 def bench_cmd(
     blocks: Annotated[int, typer.Option("--blocks", min=1, max=4096, help="Blocks per measurement (inline bench).")] = 64,
+    inline: Annotated[bool, typer.Option("--inline", help="Measure inline even where bench/tiers.py exists.")] = False,
     json_out: Json = False, cache_dir: CacheDir = None, config: ConfigFile = None, debug: Debug = False,
 ) -> None:
     """Measure how fast each tier moves blocks (the quick tier benchmark) and print a table."""
     s = settings(cache_dir, config, debug)
     root = repo_root()
     script = root / "bench" / "tiers.py" if root else None
-    if script is not None and script.exists():
+    if script is not None and script.exists() and not inline:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "tiers.json"
-            proc = subprocess.run([sys.executable, str(script), "--quick", "--json", str(out)],
+            proc = subprocess.run([sys.executable, str(script), "--quick", "--json", str(out), "--dir", str(s.cache_dir)],
                                   capture_output=json_out, text=True, cwd=root)
             if proc.returncode != 0:
                 raise typer.Exit(1)

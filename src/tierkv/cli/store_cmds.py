@@ -263,7 +263,7 @@ def import_cmd(
         block_bytes = manifest["block_bytes"]
         total = manifest["counts"]["blocks"]
         with Progress(TextColumn("importing"), BarColumn(), TextColumn("{task.completed}/{task.total} blocks"),
-                      TimeRemainingColumn(), console=console, disable=json_out, transient=True) as bar:
+                      TimeRemainingColumn(), console=console, disable=json_out or not console.is_terminal, transient=True) as bar:
             task = bar.add_task("import", total=total)
             report = import_l3(file, s.l3_path, s.config.l3.capacity // block_bytes, s.config.l3.direct_io,
                                progress=lambda n: bar.update(task, completed=n))

@@ -1,0 +1,162 @@
+"""The store-only commands through the real `tierkv` command: ls, info, verify, evict, export, import, bench."""
+
+from __future__ import annotations
+
+import re
+import tarfile
+
+import pytest
+from conftest import LAYOUT, PROMPTS, populate, run_tierkv, store_config
+
+from tierkv import KVLayout, TierKVStore
+from tierkv.catalog import open_l3
+
+COMMANDS = ["info", "ls", "verify", "evict", "export", "import", "bench"]
+
+
+def test_every_command_has_help_with_an_example():
+    for name in COMMANDS:
+        r = run_tierkv(name, "--help")
+        assert r.code == 0, (name, r.err)
+        assert "Example" in r.out, name
+
+
+def test_bad_usage_exits_2_on_one_line(cache):
+    r = run_tierkv("evict", "--cache-dir", str(cache))
+    assert r.code == 2 and r.err.strip() == "error: evict: give exactly one of --namespace, --older-than, --all"
+    r = run_tierkv("evict", "--older-than", "soon", "--cache-dir", str(cache))
+    assert r.code == 2 and "--older-than" in r.err
+    assert run_tierkv("ls", "--no-such-flag").code == 2
+
+
+def test_missing_cache_fails_with_one_line(cache):
+    r = run_tierkv("ls", "--cache-dir", str(cache))
+    assert r.code == 1
+    assert r.err.count("\n") == 1 and "no L3 cache at" in r.err and "Traceback" not in r.err
+
+
+def test_ls_shows_the_tree_by_namespace(cache):
+    populate(cache)
+    r = run_tierkv("ls", "--json", "--cache-dir", str(cache))
+    assert r.code == 0, r.err
+    segs = r.json()["segments"]
+    # chain a: a shared run of 5 blocks, then two branches; chain b: one run of 4 blocks
+    shapes = sorted((g["namespace"], tuple(g["depth"]), g["parent"] is None) for g in segs)
+    assert shapes == [("a", (0, 4), True), ("a", (5, 7), False), ("a", (5, 9), False), ("b", (0, 3), True)]
+    r = run_tierkv("ls", "--namespace", "b", "--json", "--cache-dir", str(cache))
+    assert [g["namespace"] for g in r.json()["segments"]] == ["b"]
+    text = run_tierkv("ls", "--cache-dir", str(cache)).out
+    assert "namespace a" in text and "blocks 5..9 (20 tokens)" in text and "tier l3" in text
+
+
+def test_info_reports_l3_usage_and_layout(cache):
+    populate(cache)
+    r = run_tierkv("info", "--json", "--cache-dir", str(cache))
+    assert r.code == 0, r.err
+    info = r.json()
+    assert info["tiers"]["l3"]["used_blocks"] == 17
+    assert info["layout"]["fingerprint"] == LAYOUT.fingerprint
+    assert info["tiers"]["l3"]["model_id"] == "m"
+    assert run_tierkv("info", "--cache-dir", str(cache)).code == 0
+
+
+def _flip_byte(cache, key: bytes) -> None:
+    l3 = open_l3(cache / "l3")
+    slot = next(r.slot for r in l3.records() if r.key == key)
+    stride = l3.stride
+    l3.close()
+    with open(cache / "l3" / "slots.bin", "r+b") as f:
+        f.seek(slot * stride + 17)
+        b = f.read(1)
+        f.seek(slot * stride + 17)
+        f.write(bytes([b[0] ^ 0x5A]))
+
+
+def test_verify_detects_flipped_bytes_and_repair_removes_them(cache):
+    keys = populate(cache)
+    bad = keys["a"][0][7]  # depth 7 of the 10-block chain: blocks 8 and 9 hang below it
+    assert run_tierkv("verify", "--cache-dir", str(cache)).code == 0
+    _flip_byte(cache, bad)
+    r = run_tierkv("verify", "--json", "--cache-dir", str(cache))
+    assert r.code == 1
+    assert r.json()["bad"] == [bad.hex()] and r.json()["checked"] == 17
+    r = run_tierkv("verify", "--repair", "--json", "--cache-dir", str(cache))
+    assert r.code == 0, r.err
+    assert r.json()["removed"] == 3 and r.json()["orphans_removed"] == 2
+    r = run_tierkv("verify", "--json", "--cache-dir", str(cache))
+    assert r.code == 0 and r.json()["checked"] == 14 and r.json()["bad"] == []
+
+
+def test_evict_by_namespace_and_age(cache):
+    populate(cache)
+    r = run_tierkv("evict", "--namespace", "b", "--json", "--cache-dir", str(cache))
+    assert r.code == 0 and r.json()["removed"] == 4 and r.json()["left"] == 13
+    r = run_tierkv("evict", "--older-than", "1h", "--json", "--cache-dir", str(cache))
+    assert r.json()["removed"] == 0
+    r = run_tierkv("evict", "--older-than", "0s", "--json", "--cache-dir", str(cache))
+    assert r.json()["removed"] == 13 and r.json()["left"] == 0
+
+
+def _l3_hits(cache, tokens, ns) -> int:
+    store = TierKVStore(store_config(cache), LAYOUT, l1_blocks=0)
+    try:
+        m = store.lookup(tokens, ns, pin=False)
+        return m.counts["l3"]
+    finally:
+        store.close()
+
+
+def test_export_evict_all_import_hits_again(cache, tmp_path):
+    populate(cache)
+    snap = tmp_path / "snap.tar"
+    r = run_tierkv("export", str(snap), "--json", "--cache-dir", str(cache))
+    assert r.code == 0, r.err
+    assert r.json()["blocks"] == 17 and r.json()["layout_fingerprint"] == LAYOUT.fingerprint
+    assert run_tierkv("evict", "--all", "--cache-dir", str(cache)).code == 0
+    assert _l3_hits(cache, PROMPTS["a"][0], "a") == 0
+    r = run_tierkv("import", str(snap), "--json", "--cache-dir", str(cache))
+    assert r.code == 0, r.err
+    assert r.json()["blocks"] == 17
+    assert _l3_hits(cache, PROMPTS["a"][0], "a") == 10
+    assert _l3_hits(cache, PROMPTS["b"][0], "b") == 4
+    ls = run_tierkv("ls", "--json", "--cache-dir", str(cache)).json()["segments"]
+    assert {g["namespace"] for g in ls} == {"a", "b"}
+
+
+def test_import_of_another_layout_or_model_is_refused(cache, tmp_path):
+    populate(cache)
+    snap = tmp_path / "snap.tar"
+    assert run_tierkv("export", str(snap), "--cache-dir", str(cache)).code == 0
+    other = tmp_path / "other"
+    populate(other, KVLayout(num_layers=3, num_kv_heads=2, head_dim=16, block_size=4))
+    r = run_tierkv("import", str(snap), "--cache-dir", str(other))
+    assert r.code == 1
+    assert re.search(r"import refused: the snapshot holds blocks of layout \w+", r.err), r.err
+    assert "Traceback" not in r.err
+    third = tmp_path / "third"
+    populate(third, model_id="another-model")
+    r = run_tierkv("import", str(snap), "--cache-dir", str(third))
+    assert r.code == 1 and "model_id 'm'" in r.err
+    assert open_l3(third / "l3").used == 17  # nothing was written
+
+
+def test_import_of_a_damaged_snapshot_fails(cache, tmp_path):
+    populate(cache)
+    snap = tmp_path / "snap.tar"
+    assert run_tierkv("export", str(snap), "--cache-dir", str(cache)).code == 0
+    with tarfile.open(snap) as tar:
+        offset = tar.getmember("blocks.bin").offset_data
+    data = bytearray(snap.read_bytes())
+    data[offset + 5000] ^= 0xFF
+    snap.write_bytes(bytes(data))
+    r = run_tierkv("import", str(snap), "--cache-dir", str(tmp_path / "fresh"))
+    assert r.code == 1 and "damaged" in r.err
+
+
+@pytest.mark.parametrize("blocks", [4])
+def test_bench_inline_measures_l2_and_l3(cache, blocks):
+    r = run_tierkv("bench", "--inline", "--blocks", str(blocks), "--json", "--cache-dir", str(cache))
+    assert r.code == 0, r.err
+    rows = r.json()["rows"]
+    assert [(x["tier"].split()[0], x["op"]) for x in rows] == [("l2", "write"), ("l2", "read"), ("l3", "write"), ("l3", "read")]
+    assert all(x["gb_per_s"] > 0 for x in rows)
