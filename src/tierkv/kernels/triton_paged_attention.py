@@ -1,0 +1,168 @@
+"""Triton varlen paged attention over the canonical L1 pool (DESIGN §2, §10).
+
+One kernel serves prefill (new tokens over cached prefix blocks plus
+themselves, causal) and decode (one new token). It reads ``pool[:, layer, 0]``
+as K and ``pool[:, layer, 1]`` as V in place through the pool's strides: no
+re-layout, no gather copy. Reference: ``reference.paged_attention_ref``.
+
+Work split: one program per (query tile, KV head). A query tile is
+``BLOCK_M`` rows = ``BLOCK_M // GROUP_PAD`` consecutive new tokens of one
+sequence times the ``GROUP`` query heads that share the KV head (GQA), so each
+K/V tile is loaded once for the whole group. Programs find their sequence
+from ``query_start_loc`` alone (no host sync): sequence s owns the virtual
+tiles ``[qsl[s] // TOKENS + s, qsl[s+1] // TOKENS + s + 1)``, a range at least
+as long as the ``ceil(q_len / TOKENS)`` tiles it needs; the spare programs exit.
+Softmax is online (flash style) in fp32; fp32 inputs use IEEE dot products
+(no TF32), fp16/bf16 use the tensor cores with fp32 accumulation.
+
+Tuned constants (starting points chosen from the shapes, not yet measured on a
+GPU in this repository; ``bench/gpu_smoke.py`` measures them):
+  PREFILL_BLOCK_M = 64   query rows per program when any sequence has q_len > 1
+  DECODE_BLOCK_M  = 16   query rows per program when every sequence decodes
+                         (the smallest tile ``tl.dot`` takes; raised to GROUP_PAD)
+  BLOCK_N         = 64   context tokens per K/V tile (any block_size: each token
+                         looks its block up in the block table)
+  NUM_WARPS       = 4, NUM_STAGES = 2
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tierkv.kernels.checks import check_paged_attention
+
+PREFILL_BLOCK_M = 64
+DECODE_BLOCK_M = 16
+BLOCK_N = 64
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, pool_ptr, out_ptr, block_tables_ptr, context_lens_ptr, qsl_ptr,
+    scale, num_seqs,
+    stride_qt, stride_qh,
+    stride_pn, stride_pkv, stride_pb, stride_ph,
+    stride_ot, stride_oh,
+    stride_bt,
+    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, IEEE: tl.constexpr,
+):
+    TOKENS: tl.constexpr = BLOCK_M // GROUP_PAD
+    pid = tl.program_id(0)
+    kv_head = tl.program_id(1)
+
+    # Which sequence owns virtual tile `pid` (see the module docstring).
+    s_idx = tl.arange(0, BLOCK_S)
+    starts = tl.load(qsl_ptr + s_idx, mask=s_idx < num_seqs, other=0)
+    virtual = starts // TOKENS + s_idx
+    seq = tl.sum(((virtual <= pid) & (s_idx < num_seqs)).to(tl.int32), axis=0) - 1
+    q_start = tl.load(qsl_ptr + seq)
+    q_len = tl.load(qsl_ptr + seq + 1) - q_start
+    tile = pid - (q_start // TOKENS + seq)
+    if tile * TOKENS >= q_len:
+        return
+    ctx = tl.load(context_lens_ptr + seq)
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = tile * TOKENS + rows // GROUP_PAD
+    g = rows % GROUP_PAD
+    row_ok = (tok < q_len) & (g < GROUP)
+    head = kv_head * GROUP + g
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    q_rows = (q_start + tok).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :], other=0.0,
+    )
+    pos = ctx - q_len + tok  # absolute position of each query row
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    kv_end = tl.minimum(ctx, ctx - q_len + (tile + 1) * TOKENS)
+    n = tl.arange(0, BLOCK_N)
+    kv_base = pool_ptr + kv_head * stride_ph
+    for start in range(0, kv_end, BLOCK_N):
+        t = start + n
+        t_ok = t < kv_end
+        blk = tl.load(block_tables_ptr + seq * stride_bt + t // BLOCK_SIZE, mask=t_ok, other=0)
+        tok_off = blk.to(tl.int64) * stride_pn + (t % BLOCK_SIZE) * stride_pb
+        kv_mask = t_ok[:, None] & d_ok[None, :]
+        k = tl.load(kv_base + tok_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(kv_base + stride_pkv + tok_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        visible = (t[None, :] <= pos[:, None]) & t_ok[None, :]
+        qk = tl.where(visible, qk * scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        p = tl.exp(qk - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if IEEE:
+            pv = tl.dot(p, v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    tl.store(
+        out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Launch ``_paged_attention_kernel``; same contract as ``tierkv.kernels.paged_attention``.
+
+    Checks shapes, strides and dtypes (no device sync); the output is a new
+    tensor [T, Hq, D] in q's dtype, written asynchronously on the current stream.
+    """
+    check_paged_attention(q, pool, layer, block_tables, context_lens, query_start_loc)
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_seqs = block_tables.shape[0]
+    num_kv_heads = pool.shape[4]
+    index_args = {"block_tables": block_tables, "context_lens": context_lens, "query_start_loc": query_start_loc}
+    for name, t in index_args.items():
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name}: last dim must be contiguous (stride 1), got strides {t.stride()}")
+    out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    group = num_q_heads // num_kv_heads
+    group_pad = triton.next_power_of_2(group)
+    block_m = max(DECODE_BLOCK_M if num_tokens == num_seqs else PREFILL_BLOCK_M, group_pad)
+    tokens_per_tile = block_m // group_pad
+    grid = (num_tokens // tokens_per_tile + num_seqs, num_kv_heads)
+    kv = pool[:, layer]
+    _paged_attention_kernel[grid](
+        q, kv, out, block_tables, context_lens, query_start_loc,
+        float(scale), num_seqs,
+        q.stride(0), q.stride(1),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+        out.stride(0), out.stride(1),
+        block_tables.stride(0),
+        BLOCK_SIZE=pool.shape[3], HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_S=triton.next_power_of_2(num_seqs + 1), IEEE=q.dtype == torch.float32,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    return out
+
