@@ -10,6 +10,8 @@ on this package when imported.
 
 - ``paged_attention(q, pool, layer, block_tables, context_lens, query_start_loc, scale) -> out``
 - ``write_kv(pool, layer, k, v, slot_mapping) -> None``
+- ``gather_blocks(kv, block_ids, blocks)`` / ``scatter_blocks(kv, block_ids, blocks) -> None``
+  (an engine's per-layer cache seen as [L, num_blocks, 2, B, Hkv, D] <-> canonical blocks)
 """
 
 from __future__ import annotations
@@ -18,12 +20,12 @@ import os
 
 import torch
 
-from tierkv.kernels.reference import paged_attention_ref, write_kv_ref
+from tierkv.kernels.reference import gather_blocks_ref, paged_attention_ref, scatter_blocks_ref, write_kv_ref
 
 ENV_VAR = "TIERKV_KERNELS"
 BACKENDS = ("triton", "reference")
 
-__all__ = ["BACKENDS", "ENV_VAR", "backend_for", "paged_attention", "write_kv"]
+__all__ = ["BACKENDS", "ENV_VAR", "backend_for", "gather_blocks", "paged_attention", "scatter_blocks", "write_kv"]
 
 
 def backend_for(device: torch.device) -> str:
@@ -40,6 +42,8 @@ def _triton_module(name: str):
     try:
         if name == "paged_attention":
             from tierkv.kernels import triton_paged_attention as module
+        elif name == "gather_scatter":
+            from tierkv.kernels import gather_scatter as module
         else:
             from tierkv.kernels import triton_write_kv as module
     except ImportError as exc:
@@ -88,3 +92,28 @@ def write_kv(
     else:
         impl = write_kv_ref
     impl(pool, layer, k, v, slot_mapping)
+
+
+def gather_blocks(kv: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+    """``blocks[i] = kv[:, block_ids[i]]``: an engine's cache [L, num_blocks, 2, B, Hkv, D]
+    (any strides) into contiguous canonical blocks [n, L, 2, B, Hkv, D].
+
+    The caller owns both; nothing is pinned. Synchronous on CPU; stream-ordered on CUDA.
+    """
+    if backend_for(kv.device) == "triton":
+        impl = _triton_module("gather_scatter").gather_blocks
+    else:
+        impl = gather_blocks_ref
+    impl(kv, block_ids, blocks)
+
+
+def scatter_blocks(kv: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+    """``kv[:, block_ids[i]] = blocks[i]``: canonical blocks into an engine's cache (distinct ids).
+
+    Same ownership and completion as ``gather_blocks``.
+    """
+    if backend_for(kv.device) == "triton":
+        impl = _triton_module("gather_scatter").scatter_blocks
+    else:
+        impl = scatter_blocks_ref
+    impl(kv, block_ids, blocks)

@@ -159,3 +159,64 @@ def write_kv_ref(
     blocks, offsets = slots // block_size, slots % block_size
     pool[:, layer, 0].index_put_((blocks, offsets), k.to(pool.dtype))
     pool[:, layer, 1].index_put_((blocks, offsets), v.to(pool.dtype))
+
+
+def check_block_copy(kv: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+    """Validate ``gather_blocks`` / ``scatter_blocks`` arguments; raise naming the argument.
+
+    ``kv`` is an engine's KV cache seen as [L, num_blocks, 2, B, Hkv, D] through
+    any strides (head_dim contiguous); ``blocks`` is [n, L, 2, B, Hkv, D] with
+    each block contiguous; ``block_ids`` is int64 [n] on ``kv``'s device.
+    """
+    if kv.dim() != 6 or kv.shape[2] != 2:
+        raise ValueError(f"kv: expected [L, num_blocks, 2, B, Hkv, D], got shape {tuple(kv.shape)}")
+    if kv.stride(-1) != 1:
+        raise ValueError(f"kv: head_dim must be contiguous (stride 1), got strides {kv.stride()}")
+    want = (kv.shape[0], *kv.shape[2:])
+    if blocks.dim() != 6 or tuple(blocks.shape[1:]) != want:
+        raise ValueError(f"blocks: expected [n, {', '.join(map(str, want))}], got shape {tuple(blocks.shape)}")
+    if blocks.dtype != kv.dtype or blocks.device != kv.device:
+        raise ValueError(f"blocks: expected {kv.dtype} on {kv.device} like kv, got {blocks.dtype} on {blocks.device}")
+    dense = [1]
+    for size in reversed(blocks.shape[2:]):
+        dense.insert(0, dense[0] * size)
+    if list(blocks.stride()[1:]) != dense:
+        raise ValueError(f"blocks: each block must be contiguous, got strides {blocks.stride()}")
+    if block_ids.dim() != 1 or block_ids.dtype != torch.int64 or block_ids.shape[0] != blocks.shape[0]:
+        raise ValueError(
+            f"block_ids: expected int64 [{blocks.shape[0]}], got {block_ids.dtype} {tuple(block_ids.shape)}"
+        )
+    if block_ids.device != kv.device:
+        raise ValueError(f"block_ids: must be on {kv.device} like kv, got {block_ids.device}")
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(first position, first block id, length) of each run of consecutive block ids."""
+    out, start = [], 0
+    for i in range(1, len(ids) + 1):
+        if i == len(ids) or ids[i] != ids[i - 1] + 1:
+            out.append((start, ids[start], i - start))
+            start = i
+    return out
+
+
+def gather_blocks_ref(kv: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+    """``blocks[i] = kv[:, block_ids[i]]``: an engine's per-layer cache into canonical blocks.
+
+    One strided copy per run of consecutive block ids (all layers at once), so
+    the work is a handful of large copies rather than one per block and layer.
+    Synchronous on CPU; stream-ordered on CUDA (``block_ids`` is read on the host).
+    """
+    check_block_copy(kv, block_ids, blocks)
+    for i, b, n in _runs(block_ids.tolist()):
+        blocks[i : i + n].copy_(kv[:, b : b + n].transpose(0, 1))
+
+
+def scatter_blocks_ref(kv: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
+    """``kv[:, block_ids[i]] = blocks[i]``: canonical blocks into an engine's per-layer cache.
+
+    Block ids must be distinct. Same cost shape and completion as ``gather_blocks_ref``.
+    """
+    check_block_copy(kv, block_ids, blocks)
+    for i, b, n in _runs(block_ids.tolist()):
+        kv[:, b : b + n].transpose(0, 1).copy_(blocks[i : i + n])
