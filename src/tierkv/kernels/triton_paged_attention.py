@@ -20,12 +20,19 @@ GPU in this repository; ``bench/gpu_smoke.py`` measures them):
   PREFILL_BLOCK_M = 64   query rows per program when any sequence has q_len > 1
   DECODE_BLOCK_M  = 16   query rows per program when every sequence decodes
                          (the smallest tile ``tl.dot`` takes; raised to GROUP_PAD)
-  BLOCK_N         = 64   context tokens per K/V tile (any block_size: each token
-                         looks its block up in the block table)
+  BLOCK_N         = 64   context tokens per K/V tile for fp16/bf16 (any block_size:
+                         each token looks its block up in the block table)
+  BLOCK_N_FP32    = 32   the same for fp32: IEEE dots stage more shared memory;
+                         at head_dim 128 and 2 stages a program needs 74 KB with
+                         32 (fits sm_86/89's 99 KB) against 115 KB with 64
+                         (shared-memory sizes from compiling offline for
+                         sm_80/86/90 with triton 3.9)
   NUM_WARPS       = 4, NUM_STAGES = 2
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import triton
@@ -36,6 +43,7 @@ from tierkv.kernels.checks import check_paged_attention
 PREFILL_BLOCK_M = 64
 DECODE_BLOCK_M = 16
 BLOCK_N = 64
+BLOCK_N_FP32 = 32
 NUM_WARPS = 4
 NUM_STAGES = 2
 
@@ -149,20 +157,23 @@ def paged_attention(
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
     block_m = max(DECODE_BLOCK_M if num_tokens == num_seqs else PREFILL_BLOCK_M, group_pad)
+    block_n = BLOCK_N_FP32 if q.dtype == torch.float32 else BLOCK_N
     tokens_per_tile = block_m // group_pad
     grid = (num_tokens // tokens_per_tile + num_seqs, num_kv_heads)
     kv = pool[:, layer]
-    _paged_attention_kernel[grid](
-        q, kv, out, block_tables, context_lens, query_start_loc,
-        float(scale), num_seqs,
-        q.stride(0), q.stride(1),
-        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-        out.stride(0), out.stride(1),
-        block_tables.stride(0),
-        BLOCK_SIZE=pool.shape[3], HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_S=triton.next_power_of_2(num_seqs + 1), IEEE=q.dtype == torch.float32,
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
-    )
+    # Triton launches on the current device: make it the tensors' one.
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _paged_attention_kernel[grid](
+            q, kv, out, block_tables, context_lens, query_start_loc,
+            float(scale), num_seqs,
+            q.stride(0), q.stride(1),
+            kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+            out.stride(0), out.stride(1),
+            block_tables.stride(0),
+            BLOCK_SIZE=pool.shape[3], HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            BLOCK_S=triton.next_power_of_2(num_seqs + 1), IEEE=q.dtype == torch.float32,
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        )
     return out
 

@@ -13,6 +13,8 @@ Tuned constants (starting points, not yet measured on a GPU in this repository):
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -65,11 +67,13 @@ def write_kv(
     num_heads, head_dim = pool.shape[4], pool.shape[5]
     kv = pool[:, layer]
     grid = (triton.cdiv(num_tokens, TOKENS_PER_PROGRAM),)
-    _write_kv_kernel[grid](
-        k, v, kv, slot_mapping, num_tokens,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-        BLOCK_SIZE=pool.shape[3], NUM_HEADS=num_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        TOKENS=TOKENS_PER_PROGRAM, num_warps=NUM_WARPS,
-    )
+    # Triton launches on the current device: make it the tensors' one.
+    with torch.cuda.device(pool.device) if pool.is_cuda else contextlib.nullcontext():
+        _write_kv_kernel[grid](
+            k, v, kv, slot_mapping, num_tokens,
+            k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+            BLOCK_SIZE=pool.shape[3], NUM_HEADS=num_heads, HEAD_DIM=head_dim,
+            BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+            TOKENS=TOKENS_PER_PROGRAM, num_warps=NUM_WARPS,
+        )
