@@ -40,6 +40,7 @@ def make_llm(tiny_dir: Path):
     def make(store: StoreConfig | None = None, enable_cache: bool = True, model_dir: Path | None = None,
              **engine) -> LLM:
         engine.setdefault("num_blocks", 128)
+        engine.setdefault("num_threads", 1)  # a shared 2-core host: threaded GEMMs of this size only contend
         llm = LLM(model_dir or tiny_dir, store or store_config(None), EngineConfig(**engine), enable_cache)
         made.append(llm)
         return llm

@@ -1,0 +1,134 @@
+"""Prefix reuse through the store gives exactly the tokens of a cold run, from every tier."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import GREEDY, prompts, store_config
+
+
+def cached_tokens(prompt: list[int]) -> int:
+    """Prompt tokens a full hit serves: whole blocks, leaving the last token to compute."""
+    return (len(prompt) - 1) // 16 * 16
+
+
+def assert_hits(outs, tier: str) -> None:
+    """The first request is served from ``tier`` alone; later ones may already find the
+    shared prefix back in L1 (adopted from the first one's load), but all are fully served."""
+    assert outs[0].hit_tokens[tier] == cached_tokens(outs[0].prompt_token_ids)
+    for o in outs:
+        assert o.hit_tokens[tier] > 0
+        assert sum(o.hit_tokens.values()) == cached_tokens(o.prompt_token_ids)
+
+
+def flush_l1(llm) -> None:
+    """Demote every cached L1 block one tier down (allocating all of L1 evicts them)."""
+    slots = llm.store.allocate(llm.store.l1.capacity)
+    llm.store.free(slots)
+    assert llm.store.index.counts[0] == 0
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_dir) -> list[list[int]]:
+    from tierkv.engine import LLM, EngineConfig
+
+    with LLM(tiny_dir, store_config(None), EngineConfig(num_blocks=128, num_threads=1), enable_cache=False) as llm:
+        outs = llm.generate(prompts(), GREEDY)
+        assert all(sum(o.hit_tokens.values()) == 0 for o in outs)
+        assert llm.store.index.counts == [0, 0, 0]  # the no-cache engine never saved a block
+        return [o.token_ids for o in outs]
+
+
+def test_cold_and_l1_hits_match_no_cache(make_llm, baseline):
+    llm = make_llm(store_config(None))
+    cold = llm.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in cold] == baseline
+    # The shared 32-token prefix is computed once the first prompt saved it; batch-mates arrive together.
+    assert all(o.hit_tokens["l1"] == 0 for o in cold)
+    warm = llm.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in warm] == baseline
+    for o in warm:
+        assert o.hit_tokens["l1"] == cached_tokens(o.prompt_token_ids)
+        assert o.ttft_s is not None and o.ttft_s > 0
+
+
+def test_l2_hits_match_no_cache(make_llm, baseline):
+    llm = make_llm(store_config(None, l2="8MiB"))
+    llm.generate(prompts(), GREEDY)
+    flush_l1(llm)
+    warm = llm.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in warm] == baseline
+    assert_hits(warm, "l2")
+    stats = llm.stats()
+    assert stats["load_count"] >= 1 and stats["bytes"]["l2_read"] > 0
+
+
+def test_l3_hits_in_a_fresh_engine_match_no_cache(make_llm, baseline, tmp_path):
+    first = make_llm(store_config(tmp_path / "l3", l2=0))
+    first.generate(prompts(), GREEDY)
+    flush_l1(first)  # no L2: L1 demotes straight to disk
+    first.close()
+    llm = make_llm(store_config(tmp_path / "l3", l2=0))
+    warm = llm.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in warm] == baseline
+    assert_hits(warm, "l3")
+
+
+def test_corrupt_l3_block_is_recomputed(make_llm, baseline, tmp_path):
+    first = make_llm(store_config(tmp_path / "l3", l2=0))
+    first.generate(prompts(), GREEDY)
+    flush_l1(first)
+    # Corrupt block 1 of the shared prefix: every prompt loads block 0 and recomputes from block 1.
+    key = first.store.hash(prompts()[0])[1]
+    slot = next(rec.slot for rec in first.store.l3.records() if rec.key == key)
+    stride = first.store.l3.stride
+    first.close()
+    with open(tmp_path / "l3" / "slots.bin", "r+b") as fh:
+        fh.seek(slot * stride)
+        fh.write(b"\xff" * 4096)
+    llm = make_llm(store_config(tmp_path / "l3", l2=0))
+    warm = llm.generate(prompts(), GREEDY)
+    assert [o.token_ids for o in warm] == baseline
+    assert llm.stats()["failures"].get("l3_corrupt", 0) >= 1
+    assert warm[0].hit_tokens["l3"] == 16 and all(sum(o.hit_tokens.values()) == 16 for o in warm)
+
+
+_CHILD = """
+import json, sys
+from tierkv.config import L2Config, L3Config, StoreConfig
+from tierkv.engine import LLM, EngineConfig, SamplingParams
+model_dir, l3, prompts = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+cfg = StoreConfig(l2=L2Config(capacity=0), l3=L3Config(path=l3, capacity="16MiB"))
+with LLM(model_dir, cfg, EngineConfig(num_blocks=128, num_threads=1)) as llm:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True))
+print(json.dumps([[o.token_ids, o.hit_tokens] for o in outs]))
+"""
+
+
+def test_l3_hits_after_process_restart(make_llm, baseline, tmp_path, tiny_dir):
+    first = make_llm(store_config(tmp_path / "l3", l2=0))
+    first.generate(prompts(), GREEDY)
+    flush_l1(first)
+    first.close()
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    proc = subprocess.run([sys.executable, "-c", _CHILD, str(tiny_dir), str(tmp_path / "l3"), json.dumps(prompts())],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert [r[0] for r in result] == baseline
+    assert result[0][1]["l3"] == cached_tokens(prompts()[0])
+    assert all(r[1]["l3"] > 0 for r in result)
+
+
+def test_namespaces_do_not_share_blocks(make_llm, baseline):
+    llm = make_llm(store_config(None))
+    llm.generate(prompts(), GREEDY, namespace="tenant-a")
+    other = llm.generate(prompts(), GREEDY, namespace="tenant-b")
+    assert [o.token_ids for o in other] == baseline
+    assert all(o.hit_tokens["l1"] == 0 for o in other[:1])
