@@ -16,7 +16,7 @@ try:  # typer >= 0.17 vendors click; older ones raise click's own exceptions
 except ImportError:
     from click import ClickException as _ClickError
 
-from tierkv.cli import bench_cmd, engine_cmds, info_cmd, store_cmds  # noqa: F401  (registers commands)
+from tierkv.cli import bench_cmd, engine_cmds, info_cmd, run_cmd, store_cmds  # noqa: F401  (registers commands)
 from tierkv.cli.common import CLIError, app, err_console
 
 __all__ = ["app", "main"]

@@ -1,0 +1,139 @@
+"""`tierkv run`: the main job — the bundled engine on a multi-turn chat, in a fresh and a restarted process."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from tierkv.catalog import stored_layout
+from tierkv.cli.common import CacheDir, CLIError, ConfigFile, Debug, app, console, settings
+from tierkv.cli.store_cmds import evict_some
+from tierkv.demo import FULL, NAMESPACE, QUICK, write_chart
+from tierkv.metrics import TIER_NAMES
+
+PASS_NAMES = ("fresh process", "restarted process")
+
+
+def ensure_demo_model(cache_dir: Path, preset: str = "small") -> Path:
+    """The ``preset`` demo checkpoint under ``cache_dir/models``, written (atomically) if missing."""
+    target = cache_dir / "models" / preset
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{preset}-", dir=target.parent))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "tierkv.engine.checkpoint", str(tmp), "--preset", preset],
+                              capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise CLIError(f"could not write the {preset} checkpoint: {_last_line(proc.stderr)}")
+        os.replace(tmp, target)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _last_line(text: str) -> str:
+    lines = [x for x in text.strip().splitlines() if x.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+def _run_pass(plan_path: Path, index: int, bar: Progress, task, debug: bool) -> dict:
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "tierkv.demo", str(plan_path)], stdout=subprocess.PIPE,
+                                stderr=None if debug else err, text=True)
+        result = None
+        for line in proc.stdout:
+            event = json.loads(line)
+            if event["event"] == "turn":
+                bar.update(task, advance=1, description=f"pass {index + 1} ({PASS_NAMES[index]}): "
+                                                        f"user {event['user']} turn {event['turn']}")
+            elif event["event"] == "pass":
+                result = event
+        proc.wait()
+        err.seek(0)
+        if proc.returncode != 0 or result is None:
+            raise CLIError(f"pass {index + 1} failed: {_last_line(err.read())} (rerun with --debug)")
+    result.pop("event")
+    return {"name": PASS_NAMES[index], **result}
+
+
+def _table(index: int, ps: dict) -> Table:
+    tiers = [t for t in TIER_NAMES if t != "l4" or ps["hit_tokens_by_tier"]["l4"]]
+    table = Table(title=f"pass {index + 1}: {ps['name']}", title_justify="left")
+    for col in ("turn", "prompt", *[f"{t.upper()} hit" for t in tiers], "TTFT cold", "TTFT cached", "speedup", "tok/s"):
+        table.add_column(col, justify="right")
+    for r in ps["turns"]:
+        table.add_row(f"u{r['user']} t{r['turn']}", str(r["prompt_tokens"]), *[str(r["hit_tokens"][t]) for t in tiers],
+                      f"{r['ttft_nocache_ms']:.0f} ms", f"{r['ttft_cached_ms']:.0f} ms",
+                      f"{r['ttft_nocache_ms'] / max(r['ttft_cached_ms'], 1e-3):.1f}x", f"{r['tokens_per_s']:.1f}")
+    return table
+
+
+def summary_line(index: int, ps: dict) -> str:
+    rates = ps["hit_rate_by_tier"]
+    by_tier = ", ".join(f"{t.upper()} {rates[t] * 100:.0f}%" for t in TIER_NAMES if rates[t] > 0) or "none"
+    return (f"pass {index + 1} ({ps['name']}): {sum(rates.values()) * 100:.0f}% of prompt tokens from the cache "
+            f"({by_tier}); prefill time saved {ps['prefill_saved_ms'] / 1e3:.2f} s; mean TTFT "
+            f"{ps['ttft_nocache_ms']:.0f} ms cold -> {ps['ttft_cached_ms']:.0f} ms cached ({ps['speedup']}x)")
+
+
+@app.command("run", epilog="Examples: `tierkv run`, `tierkv run --quick --json out/run.json`, "
+                           "`tierkv run --model ~/models/Llama-3.2-1B`")
+def run_cmd(
+    model: Annotated[Path | None, typer.Option("--model", "-m", help="A local Llama-family checkpoint directory "
+                                                                      "[default: the `small` demo model, created on first use].")] = None,
+    quick: Annotated[bool, typer.Option("--quick", help="A shorter chat (2 users x 2 turns), under a minute.")] = False,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Write the figures to this JSON file (the PNG chart goes next to it).")] = None,
+    cache_dir: CacheDir = None, config: ConfigFile = None, debug: Debug = False,
+) -> None:
+    """The main job: replay a multi-turn chat through the engine in a fresh process, then in a restarted one.
+
+    Prints hits per tier and time to first token with the cache vs without it
+    (the same prompts, measured in the same process), and writes a JSON of the
+    figures and a PNG chart.
+    """
+    started = time.perf_counter()
+    s = settings(cache_dir, config, debug)
+    if model is not None and not (model / "config.json").exists():
+        raise CLIError(f"--model: {model} has no config.json (expected a Hugging Face Llama checkpoint directory)", 2)
+    work = QUICK if quick else FULL
+    out_json = json_path or s.cache_dir / "run" / "last-run.json"
+    out_json.parent.mkdir(parents=True, exist_ok=True)
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
+                  TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console) as bar:
+        task = bar.add_task("preparing the demo model", total=2 * work.users * work.turns)
+        model_dir = model or ensure_demo_model(s.cache_dir)
+        if stored_layout(s.l3_path) is not None:
+            evict_some(s, {NAMESPACE}, None)  # pass 1 starts cold whatever an earlier run left
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
+            json.dump({"model": str(model_dir), "store_config": s.config.to_dict(),
+                       "workload": dataclasses.asdict(work)}, fh)
+        try:
+            passes = [_run_pass(Path(fh.name), i, bar, task, debug) for i in range(2)]
+        finally:
+            os.unlink(fh.name)
+    result = {"model": str(model_dir), "model_id": passes[0]["model_id"], "cache_dir": str(s.cache_dir),
+              "l3_path": str(s.l3_path), "workload": dataclasses.asdict(work), "passes": passes,
+              "wall_s": round(time.perf_counter() - started, 1)}
+    for i, ps in enumerate(passes):
+        console.print(_table(i, ps))
+    for i, ps in enumerate(passes):
+        console.print(summary_line(i, ps))
+    out_json.write_text(json.dumps(result, indent=2) + "\n")
+    chart = out_json.with_suffix(".png")
+    write_chart(result, chart)
+    console.print(f"wrote {out_json} and {chart} in {result['wall_s']:.1f} s")
+    if passes[1]["hit_tokens_by_tier"]["l3"] == 0 and s.config.l3_enabled:
+        raise CLIError("the restarted pass found nothing in L3: blocks did not survive the restart")

@@ -1,0 +1,209 @@
+"""The main job's workload: a multi-turn chat replayed through the engine, one pass per process.
+
+One long system prompt is shared by every user; each user talks for several
+turns and each turn's prompt is the previous turn's prompt, its answer and a
+new message — the shape of real chat traffic, where almost every prompt token
+was already computed once. A pass replays the conversation twice inside one
+process: through an engine with the cache (timed, hits per tier recorded) and
+through an engine with the cache disabled (the same prompts, the cold
+baseline). After each turn the cached engine persists the turn's blocks to L3
+(``store.persist``), so the next process — `tierkv run`'s restarted pass —
+finds them on disk.
+
+``python -m tierkv.demo PLAN.json`` runs one pass and writes JSON lines on
+stdout: ``{"event": "turn", ...}`` per turn, then ``{"event": "pass", ...}``.
+`tierkv run` (cli/run_cmd.py) starts it twice and draws the tables.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tierkv.metrics import TIER_NAMES
+
+NAMESPACE = "tierkv-demo"
+
+_TOPICS = ["tiered caches", "prefix hashing", "paged attention", "NVMe slot files", "remote pools",
+           "eviction by cost", "copy streams", "chunked prefill"]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Size of the chat: users x turns, a system prompt of about ``system_tokens``, short answers."""
+
+    users: int
+    turns: int
+    system_tokens: int
+    max_tokens: int
+
+    def __post_init__(self) -> None:
+        for name in ("users", "turns", "system_tokens", "max_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"workload.{name}: expected an integer >= 1, got {value!r}")
+
+
+QUICK = Workload(users=2, turns=2, system_tokens=1024, max_tokens=8)
+FULL = Workload(users=3, turns=3, system_tokens=1536, max_tokens=16)
+
+
+def system_prompt(approx_chars: int) -> str:
+    """A deterministic, readable system prompt of about ``approx_chars`` characters."""
+    lines = ["You are the tierkv assistant. Answer briefly and precisely."]
+    i = 0
+    while sum(len(x) + 1 for x in lines) < approx_chars:
+        topic = _TOPICS[i % len(_TOPICS)]
+        lines.append(f"Rule {i + 1}: when asked about {topic}, cite the section on {topic} "
+                     f"and give one number measured on this machine (case {i * 7 % 31}).")
+        i += 1
+    return "\n".join(lines)
+
+
+def user_message(user: int, turn: int) -> str:
+    topic = _TOPICS[(user * 3 + turn) % len(_TOPICS)]
+    return f"\nUser {user + 1}: (turn {turn + 1}) How do {topic} help a restarted server?\nAssistant:"
+
+
+def run_pass(plan: dict, emit) -> dict:
+    """Replay the workload with and without the cache in this process; returns the pass summary."""
+    import torch
+
+    from tierkv.catalog import Catalog
+    from tierkv.config import StoreConfig
+    from tierkv.engine import LLM, EngineConfig, SamplingParams
+    from tierkv.engine.loader import read_config
+    from tierkv.engine.tokenizer import Tokenizer
+
+    torch.set_num_threads(1)
+    work = Workload(**plan["workload"])
+    store_cfg = StoreConfig.from_dict(plan["store_config"])
+    started = time.perf_counter()
+    tok = Tokenizer(plan["model"], read_config(plan["model"]).vocab_size)
+    sys_ids = tok.encode(system_prompt(work.system_tokens))[: work.system_tokens]
+    longest = len(sys_ids) + work.turns * (len(tok.encode(user_message(0, 0))) + 8 + work.max_tokens)
+    block = EngineConfig().block_size
+    # L1 holds the longest conversation and a little more, so other users' blocks demote to L2.
+    num_blocks = -(-longest // block) + 2
+    engine_cfg = EngineConfig(num_blocks=num_blocks, num_threads=1, max_model_len=longest + 64)
+    cached = LLM(plan["model"], store_cfg, engine_cfg)
+    nocache = LLM(plan["model"], None, engine_cfg, enable_cache=False)
+    load_s = time.perf_counter() - started
+    catalog = Catalog(Path(cached.store.config.l3.path)) if cached.store.l3 is not None else None
+    params = SamplingParams(max_tokens=work.max_tokens)
+    first = SamplingParams(max_tokens=1)
+    for llm in (cached, nocache):  # first-call overheads out of the measurement; < 1 block, so nothing is cached
+        llm.generate([sys_ids[:block - 1]], first, namespace=NAMESPACE + "-warmup")
+    history = {u: list(sys_ids) for u in range(work.users)}
+    turns = []
+    written = 0
+    try:
+        for turn in range(work.turns):
+            for user in range(work.users):
+                prompt = history[user] + tok.encode(user_message(user, turn))
+                t0 = time.perf_counter()
+                out = cached.generate([prompt], params, namespace=NAMESPACE)[0]
+                elapsed = time.perf_counter() - t0
+                keys = cached.store.hash(prompt + out.token_ids, NAMESPACE)
+                written += cached.store.persist(keys)
+                if catalog is not None:
+                    catalog.label(keys[:1], NAMESPACE)
+                    catalog.count_hits(keys[: sum(out.hit_tokens.values()) // block])
+                ref = nocache.generate([prompt], first)[0]
+                row = {
+                    "user": user + 1, "turn": turn + 1, "prompt_tokens": len(prompt),
+                    "hit_tokens": {t: out.hit_tokens.get(t, 0) for t in TIER_NAMES},
+                    "ttft_cached_ms": round(out.ttft_s * 1e3, 2), "ttft_nocache_ms": round(ref.ttft_s * 1e3, 2),
+                    "tokens_per_s": round((len(out.token_ids) - 1) / max(elapsed - out.ttft_s, 1e-6), 1),
+                    "first_token_match": out.token_ids[:1] == ref.token_ids[:1],
+                }
+                turns.append(row)
+                emit({"event": "turn", **row})
+                history[user] = prompt + out.token_ids
+    finally:
+        if catalog is not None:
+            catalog.close()
+        stats = cached.stats()
+        cached.close()
+        nocache.close()
+    return summarize(turns, load_s, written, stats, cached.layout.to_dict(), cached.store.config.model_id)
+
+
+def summarize(turns: list[dict], load_s: float, written: int, stats: dict, layout: dict, model_id: str) -> dict:
+    prompt_tokens = sum(r["prompt_tokens"] for r in turns)
+    hits = {t: sum(r["hit_tokens"][t] for r in turns) for t in TIER_NAMES}
+    cached = sum(r["ttft_cached_ms"] for r in turns) / len(turns)
+    nocache = sum(r["ttft_nocache_ms"] for r in turns) / len(turns)
+    return {
+        "turns": turns,
+        "ttft_cached_ms": round(cached, 2),
+        "ttft_nocache_ms": round(nocache, 2),
+        "speedup": round(nocache / cached, 2) if cached > 0 else None,
+        "prefill_saved_ms": round(sum(r["ttft_nocache_ms"] - r["ttft_cached_ms"] for r in turns), 1),
+        "prompt_tokens": prompt_tokens,
+        "hit_tokens_by_tier": hits,
+        "hit_rate_by_tier": {t: round(n / prompt_tokens, 4) for t, n in hits.items()},
+        "first_tokens_match": all(r["first_token_match"] for r in turns),
+        "l3_blocks_written": written,
+        "evictions": stats.get("evictions", {}),
+        "engine_load_s": round(load_s, 2),
+        "layout": layout,
+        "model_id": model_id,
+    }
+
+
+def write_chart(result: dict, path: Path) -> None:
+    """A PNG of time to first token per turn, cold vs cached, each cached bar coloured by the tier that served most."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"l1": "#2b8a3e", "l2": "#1971c2", "l3": "#e8590c", "l4": "#862e9c", "none": "#868e96"}
+    fig, ax = plt.subplots(figsize=(10, 5), dpi=100)
+    x = 0
+    ticks, labels = [], []
+    for p, ps in enumerate(result["passes"]):
+        for r in ps["turns"]:
+            top = max(r["hit_tokens"], key=r["hit_tokens"].get)
+            top = top if r["hit_tokens"][top] > 0 else "none"
+            ax.bar(x - 0.2, r["ttft_nocache_ms"], 0.4, color="#ced4da")
+            ax.bar(x + 0.2, r["ttft_cached_ms"], 0.4, color=colors[top])
+            ticks.append(x)
+            labels.append(f"p{p + 1} u{r['user']} t{r['turn']}")
+            x += 1
+        x += 0.6
+    handles = [plt.Rectangle((0, 0), 1, 1, color="#ced4da")] + [plt.Rectangle((0, 0), 1, 1, color=c)
+                                                                for c in colors.values()]
+    fig.legend(handles, ["cache disabled"] + [f"cached, mostly {t.upper() if t != 'none' else 'no hit'}"
+                                              for t in colors], fontsize=8, ncol=6, loc="lower center")
+    ax.set_xticks(ticks, labels, rotation=45, fontsize=7, ha="right")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_yscale("log")
+    ax.set_title("tierkv run: pass 1 = fresh process, pass 2 = restarted process (L3 survived)")
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        sys.stderr.write("usage: python -m tierkv.demo PLAN.json  (run by `tierkv run`)\n")
+        return 2
+    plan = json.loads(Path(args[0]).read_text())
+
+    def emit(event: dict) -> None:
+        sys.stdout.write(json.dumps(event) + "\n")
+        sys.stdout.flush()
+
+    emit({"event": "pass", **run_pass(plan, emit)})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
