@@ -36,7 +36,9 @@ def parse_size(value: Any, name: str) -> int:
     if isinstance(value, str):
         m = _SIZE.match(value)
         if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+            size = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            if size < 2**63:  # also rejects the inf that hundreds of digits parse to
+                return int(size)
     raise ValueError(
         f"{name}: expected a size like '8GiB' or a byte count >= 0 (units {', '.join(k for k in _UNITS if k)}), got {value!r}"
     )
@@ -52,6 +54,8 @@ def _check_int(value: Any, name: str, lo: int, hi: int | None = None) -> int:
 def _check_float(value: Any, name: str, lo: float, strict: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         raise ValueError(f"{name}: expected a number {'>' if strict else '>='} {lo}, got {value!r}")
+    if isinstance(value, int) and abs(value) >= 2**1023:  # float() of it would raise OverflowError
+        raise ValueError(f"{name}: expected a number {'>' if strict else '>='} {lo}, got an integer of {value.bit_length()} bits")
     if value < lo or (strict and value == lo):
         raise ValueError(f"{name}: expected a number {'>' if strict else '>='} {lo}, got {value!r}")
     return float(value)
@@ -84,8 +88,8 @@ class L1Config:
 
     def __post_init__(self) -> None:
         _check_int(self.num_blocks, "l1.num_blocks", 0)
-        _check_choice(self.device.split(":")[0] if isinstance(self.device, str) else self.device,
-                      "l1.device", ("auto", "cpu", "cuda"))
+        if not (isinstance(self.device, str) and re.fullmatch(r"auto|cpu|cuda(:[0-9]+)?", self.device)):
+            raise ValueError(f"l1.device: expected one of ['auto', 'cpu', 'cuda', 'cuda:<index>'], got {self.device!r}")
 
 
 @dataclass(frozen=True)
@@ -133,7 +137,7 @@ class L4Config:
 
     def __post_init__(self) -> None:
         url = _check_str(self.url, "l4.url")
-        if url and url.split("://")[0] not in self.SCHEMES:
+        if url and ("://" not in url or url.split("://")[0] not in self.SCHEMES):
             raise ValueError(f"l4.url: expected a URL with scheme one of {list(self.SCHEMES)}, got {url!r}")
         _check_str(self.auth_key, "l4.auth_key")
         _check_int(self.timeout_ms, "l4.timeout_ms", 1, 60_000)
@@ -171,13 +175,12 @@ class HashingConfig:
         from tierkv.hashing import ALGORITHMS
 
         _check_choice(self.algorithm, "hashing.algorithm", ALGORITHMS)
-        if self.algorithm == "blake2b":
-            try:
-                raw = bytes.fromhex(self.key)
-            except ValueError:
-                raw = b""
-            if not 1 <= len(raw) <= 64:
-                raise ValueError(f"hashing.key: blake2b needs 1..64 bytes of hex key, got {self.key!r}")
+        try:
+            raw = bytes.fromhex(_check_str(self.key, "hashing.key"))
+        except ValueError:
+            raise ValueError(f"hashing.key: expected hex digits (blake2b: 1..64 bytes), got {self.key!r}") from None
+        if self.algorithm == "blake2b" and not 1 <= len(raw) <= 64:
+            raise ValueError(f"hashing.key: blake2b needs 1..64 bytes of hex key, got {self.key!r}")
 
 
 @dataclass(frozen=True)
@@ -216,6 +219,9 @@ class StoreConfig:
         _check_str(self.model_revision, "model_revision")
         _check_str(self.namespace, "namespace")
         _check_bool(self.l3_enabled, "l3_enabled")
+        for name, cls in _SECTIONS.items():
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(f"{name}: expected a {cls.__name__}, got {getattr(self, name)!r}")
 
     # -- loading -------------------------------------------------------------
 
@@ -301,14 +307,14 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
             continue
         rest = name[len("TIERKV_"):].lower()
         section, _, field_name = rest.partition("_")
-        if section in _SECTIONS and field_name:
+        if rest in top:  # before sections: TIERKV_L3_ENABLED is the top-level l3_enabled
+            out[rest] = _coerce(raw, top[rest].default)
+        elif section in _SECTIONS and field_name:
             sub = _SECTIONS[section]
             default = {f.name: f.default for f in fields(sub)}
             if field_name not in default:
                 raise ValueError(f"{name}: unknown setting {section}.{field_name}; expected one of {sorted(default)}")
             out.setdefault(section, {})[field_name] = _coerce(raw, default[field_name])
-        elif rest in top:
-            out[rest] = _coerce(raw, top[rest].default)
         else:
             raise ValueError(f"{name}: unknown setting; expected TIERKV_<section>_<field> with section in {sorted(_SECTIONS)}")
     del defaults
