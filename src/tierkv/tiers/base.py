@@ -55,8 +55,11 @@ def copy_block(dst: torch.Tensor, src: torch.Tensor) -> None:
     if dst.device.type == "cpu" and src.device.type == "cpu":
         n = dst.numel() * dst.element_size()
         if n != src.numel() * src.element_size():
-            raise ValueError(f"copy_block: {n} bytes into {src.numel() * src.element_size()}")
-        _memmove(dst.data_ptr(), src.data_ptr(), n)
+            raise ValueError(f"copy_block: {src.numel() * src.element_size()} bytes into {n}")
+        if dst.is_contiguous() and src.is_contiguous():
+            _memmove(dst.data_ptr(), src.data_ptr(), n)
+        else:  # a strided view: a raw memmove would scramble it and write past its elements
+            dst.copy_(src)
     else:
         dst.copy_(src, non_blocking=True)
 
