@@ -1,0 +1,136 @@
+"""Code that tests run in other processes: ``python tests/_workers.py CMD ARGS`` or forkserver targets.
+
+Every block is ``block_for(key)``, so a worker and its checker agree on the
+bytes without sharing any state but the tier under test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _kv import LAYOUT, block_for, key_of, prompt, same_bytes, save_prompt, store_config  # noqa: E402
+
+
+# -- shared-memory L2 -----------------------------------------------------------
+
+def shm_exchange(name: str, capacity: int, expect: list[str], put: list[str]) -> dict:
+    """Open the shared L2 ``name``; read ``expect`` keys, then put ``put`` keys."""
+    from tierkv.tiers.host import HostTier
+
+    tier = HostTier(LAYOUT, capacity, shared_name=name, pin=False)
+    seen = {}
+    for label in expect:
+        key = key_of("shm", label)
+        dst = block_for(key_of("other"), LAYOUT).clone()
+        ok = tier.get([key], [dst])[0]
+        seen[label] = bool(ok and same_bytes(dst, block_for(key, LAYOUT)))
+    keys = [key_of("shm", label) for label in put]
+    written = tier.put(keys, [block_for(k, LAYOUT) for k in keys])
+    return {"seen": seen, "written": written, "used": tier.used}
+
+
+# -- L3 persistence -------------------------------------------------------------
+
+def l3_lookup(path: str, seeds: list[int], num_blocks: int, model_id: str = "unknown-model") -> dict:
+    """Open a store on ``path`` (a fresh process) and look up and load each prompt."""
+    from tierkv.store import TierKVStore
+
+    cfg = store_config(LAYOUT, 0, 64, path, model_id=model_id)
+    out = {}
+    with TierKVStore(cfg, LAYOUT, l1_blocks=16) as store:
+        for seed in seeds:
+            m = store.lookup(prompt(seed, num_blocks, LAYOUT))
+            slots = store.allocate(len(m.to_load))
+            result = store.load(m, slots).wait(30)
+            correct = [same_bytes(store.l1.block(m.entries[i].l1_slot), block_for(m.keys[i], LAYOUT))
+                       for i in range(result.num_ok)]
+            out[seed] = {"tiers": m.tiers, "num_ok": result.num_ok, "correct": all(correct)}
+            store.release(m)
+        out["stats"] = store.stats()
+    return out
+
+
+def l3_save(path: str, seeds: list[int], num_blocks: int) -> None:
+    """Save prompts through a store with a tiny L1 and no L2, so they land in L3."""
+    from tierkv.store import TierKVStore
+
+    cfg = store_config(LAYOUT, 0, 64, path)
+    with TierKVStore(cfg, LAYOUT, l1_blocks=num_blocks) as store:
+        for seed in seeds:
+            save_prompt(store, prompt(seed, num_blocks, LAYOUT))
+        while store._evict(0):  # flush L1 down to L3 before exiting
+            pass
+
+
+# -- L3 crash safety --------------------------------------------------------------
+
+def crash_writer(path: str, trial: int, capacity: int, progress) -> None:
+    """Put (and now and then remove) blocks forever; the test SIGKILLs this process."""
+    from tierkv.tiers.base import Lineage
+    from tierkv.tiers.disk import DiskTier
+
+    tier = DiskTier(path, LAYOUT, capacity)
+    rng = random.Random(trial)
+    live: list[bytes] = [r.key for r in tier.records()]
+    i = 0
+    while True:
+        batch = [key_of("crash", trial, i + j) for j in range(rng.randint(1, 4))]
+        i += len(batch)
+        while len(live) + len(batch) > capacity:
+            tier.remove([live.pop(rng.randrange(len(live)))])
+        ok = tier.put(batch, [block_for(k, LAYOUT) for k in batch],
+                      [Lineage(None, n) for n in range(len(batch))])
+        live.extend(k for k, flag in zip(batch, ok) if flag)
+        with progress.get_lock():
+            progress.value += len(batch)
+
+
+# -- two processes on one L3 --------------------------------------------------------
+
+def l3_mixed(path: str, worker: int, seconds: float, universe: int, num_blocks: int, out_file: str) -> None:
+    """Look up, load, verify and save random prompts of a shared universe for ``seconds``."""
+    from tierkv.store import TierKVStore
+
+    rng = random.Random(worker)
+    cfg = store_config(LAYOUT, 2, 24, path)
+    counts = {"lookups": 0, "loaded": 0, "wrong": 0, "saved": 0, "l3_loaded": 0}
+    with TierKVStore(cfg, LAYOUT, l1_blocks=2 * num_blocks) as store:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            tokens = prompt(rng.randrange(universe), num_blocks, LAYOUT)
+            m = store.lookup(tokens)
+            counts["lookups"] += 1
+            slots = store.allocate(len(m.to_load))
+            result = store.load(m, slots).wait(30)
+            store.free([s for j, s in enumerate(slots) if not result.adopted[m.to_load[j]]])
+            for i in range(result.num_ok):
+                block = store.l1.block(m.entries[i].l1_slot)
+                counts["wrong"] += not same_bytes(block, block_for(m.keys[i], LAYOUT))
+                counts["loaded"] += 1
+                counts["l3_loaded"] += m.tiers[i] == 2
+            keys = m.keys
+            rest = list(range(result.num_ok, len(keys)))
+            fresh = store.allocate(len(rest))
+            for i, slot in zip(rest, fresh):
+                store.l1.block(slot).copy_(block_for(keys[i], LAYOUT))
+            adopted = store.save(keys, fresh, result.num_ok, m)
+            store.free([s for s, a in zip(fresh, adopted) if not a])
+            counts["saved"] += sum(adopted)
+            store.release(m)
+        counts["stats"] = store.stats()
+    Path(out_file).write_text(json.dumps(counts))
+
+
+if __name__ == "__main__":
+    cmd, args = sys.argv[1], json.loads(sys.argv[2])
+    result = {"shm": shm_exchange, "l3_lookup": l3_lookup, "l3_save": l3_save}[cmd](**args)
+    print(json.dumps(result))
+    sys.stdout.flush()
+    os._exit(0)
