@@ -1,0 +1,113 @@
+"""The connector's settings: store keys as in the TOML config, plus a ``vllm`` table.
+
+Layered as everywhere in tierkv, lowest first: defaults, vLLM's model name as
+``model_id``, the TOML file named by ``config_file``, the rest of
+``kv_connector_extra_config``, then ``TIERKV_*`` env (``TIERKV_VLLM_<FIELD>``
+for the ``vllm`` table)::
+
+    {"config_file": "/etc/tierkv.toml", "l2": {"capacity": "8GiB"},
+     "vllm": {"load_async": "auto", "save_async": true}}
+
+The connector has no L1: vLLM owns device memory, so ``l1.num_blocks`` is forced to 0.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from tierkv.config import L1Config, StoreConfig, env_overrides
+
+LOAD_ASYNC = ("auto", "always", "never")
+KV_SPLITS = ("auto", "planes", "tokens")
+_ENV_PREFIX = "TIERKV_VLLM_"
+
+
+@dataclass(frozen=True)
+class VllmSettings:
+    """How the connector drives loads and saves.
+
+    ``load_async``: ``auto`` loads L3/L4 hits while other requests run and L2
+    hits inside the step, ``always`` / ``never`` force one mode. ``save``: write
+    full blocks to the store. ``save_async``: gather and write them on a
+    background thread. ``kv_split``: how K and V share a page (``auto``:
+    ``planes`` on CPU as vLLM's CPU backend does, ``tokens`` on CUDA).
+    """
+
+    load_async: str = "auto"
+    save: bool = True
+    save_async: bool = True
+    kv_split: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.load_async not in LOAD_ASYNC:
+            raise ValueError(f"vllm.load_async: expected one of {list(LOAD_ASYNC)}, got {self.load_async!r}")
+        if self.kv_split not in KV_SPLITS:
+            raise ValueError(f"vllm.kv_split: expected one of {list(KV_SPLITS)}, got {self.kv_split!r}")
+        for name in ("save", "save_async"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"vllm.{name}: expected true or false, got {getattr(self, name)!r}")
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    store: StoreConfig
+    vllm: VllmSettings
+
+
+def load_config(extra: Mapping[str, Any] | None, model_id: str, model_revision: str | None,
+                env: Mapping[str, str] | None = None) -> ConnectorConfig:
+    """Build the connector config from ``kv_connector_extra_config`` and env. Errors name the field."""
+    env = os.environ if env is None else env
+    data: dict[str, Any] = {"model_id": model_id}
+    if model_revision:
+        data["model_revision"] = model_revision
+    extra = dict(extra or {})
+    path = extra.pop("config_file", None)
+    if path is not None:
+        _merge(data, _read_toml(path))
+    _merge(data, extra)
+    _merge(data, env_overrides({k: v for k, v in env.items() if not k.startswith(_ENV_PREFIX)}))
+    vllm = data.pop("vllm", {})
+    if not isinstance(vllm, Mapping):
+        raise ValueError(f"vllm: expected a table of settings, got {vllm!r}")
+    vllm = dict(vllm)
+    allowed = {f.name: f.default for f in fields(VllmSettings)}
+    for name, raw in env.items():
+        if name.startswith(_ENV_PREFIX):
+            key = name[len(_ENV_PREFIX):].lower()
+            if key not in allowed:
+                raise ValueError(f"{name}: unknown setting vllm.{key}; expected one of {sorted(allowed)}")
+            vllm[key] = _coerce_bool(raw) if isinstance(allowed[key], bool) else raw
+    for key in vllm:
+        if key not in allowed:
+            raise ValueError(f"vllm.{key}: unknown setting; expected one of {sorted(allowed)}")
+    store = StoreConfig.from_dict(data)
+    store = replace(store, l1=L1Config(num_blocks=0, device=store.l1.device))
+    return ConnectorConfig(store, VllmSettings(**vllm))
+
+
+def _read_toml(path: Any) -> dict[str, Any]:
+    if not isinstance(path, (str, os.PathLike)):
+        raise ValueError(f"config_file: expected a path to a TOML file, got {path!r}")
+    try:
+        with open(Path(path).expanduser(), "rb") as fh:
+            return tomllib.load(fh)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ValueError(f"config_file: cannot read {path}: {exc}") from None
+
+
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> None:
+    for key, value in extra.items():
+        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
+            _merge(base[key], value)
+        else:
+            base[key] = dict(value) if isinstance(value, Mapping) else value
+
+
+def _coerce_bool(raw: str) -> bool | str:
+    return {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(raw.strip().lower(), raw)

@@ -1,0 +1,121 @@
+"""TierKVConnector: vLLM's KVConnectorBase_V1 over a TierKVStore (DESIGN §11).
+
+A thin facade: vLLM builds one instance per role, and each forwards to its
+half — ``ConnectorScheduler`` (decides, scheduler process) or
+``ConnectorWorker`` (moves bytes, worker process). Both open the store named
+by the config through ``shared_store``, so within one process they share it.
+
+A cache must never fail a request: the connector sets vLLM's
+``kv_load_failure_policy`` to ``recompute`` (logging it when it was
+``fail``), so a block reported by ``get_block_ids_with_load_errors`` is
+recomputed rather than failing its request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
+
+from tierkv.connectors.vllm.config import load_config
+from tierkv.connectors.vllm.layout import layout_from_kv_cache_config
+from tierkv.connectors.vllm.metadata import TierKVMetadata
+from tierkv.connectors.vllm.scheduler import ConnectorScheduler
+from tierkv.connectors.vllm.shared_store import acquire_store, release_store
+from tierkv.connectors.vllm.worker import ConnectorWorker
+
+log = logging.getLogger("tierkv.connectors.vllm")
+
+
+class TierKVConnector(KVConnectorBase_V1):
+    """Loads prefixes vLLM does not hold from tierkv's L2/L3/L4 and saves full blocks back."""
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        xfer = vllm_config.kv_transfer_config
+        if xfer.kv_load_failure_policy != "recompute":
+            log.warning("tierkv: setting kv_load_failure_policy=recompute (was %r): a cache miss or "
+                        "corrupt block must be recomputed, never fail the request", xfer.kv_load_failure_policy)
+            xfer.kv_load_failure_policy = "recompute"
+        model = vllm_config.model_config
+        cfg = load_config(xfer.kv_connector_extra_config, model.model, getattr(model, "revision", None))
+        layout, layer_names = layout_from_kv_cache_config(kv_cache_config)
+        self.settings = cfg.vllm
+        self.store = acquire_store(cfg.store, layout)
+        self._scheduler: ConnectorScheduler | None = None
+        self._worker: ConnectorWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = ConnectorScheduler(self.store, cfg.vllm)
+        else:
+            self._worker = ConnectorWorker(self.store, cfg.vllm, layer_names)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # -- scheduler side -------------------------------------------------------
+
+    def on_new_request(self, request) -> None:
+        self._scheduler.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
+        return self._scheduler.get_external_cache_hit_sources(request, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> TierKVMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    def take_events(self):
+        return self._scheduler.take_events()
+
+    # -- worker side ----------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches) -> None:
+        self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._worker.bind(connector_metadata)
+
+    def handle_preemptions(self, kv_connector_metadata) -> None:
+        self._worker.handle_preemptions(kv_connector_metadata)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        self._worker.start_load_kv(self._get_connector_metadata())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Synchronous loads finish in ``start_load_kv``; nothing is left to wait for per layer."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        self._worker.save_kv_layer(layer_name, self._get_connector_metadata())
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save(self._get_connector_metadata())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.get_finished(finished_req_ids)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
+
+    def build_connector_worker_meta(self):
+        return self._worker.build_worker_meta()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+        release_store(self.store)

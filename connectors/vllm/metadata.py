@@ -1,0 +1,67 @@
+"""What the scheduler-side connector tells the workers each step, and what they answer.
+
+Plain data (bytes, ints, lists), so it crosses process boundaries as vLLM
+pickles it. Keys are tierkv's chained block hashes (DESIGN §3), always the
+whole chain from block 0 so a worker can look blocks up and name parents.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass
+class LoadSpec:
+    """Load blocks ``start .. len(keys)`` of a request's chain into vLLM blocks ``block_ids``."""
+
+    req_id: str
+    keys: list[bytes]
+    start: int
+    block_ids: list[int]
+    is_async: bool
+
+
+@dataclass
+class SaveSpec:
+    """Save vLLM blocks ``block_ids`` as blocks ``start .. len(keys)`` of a request's chain."""
+
+    save_id: int
+    req_id: str
+    keys: list[bytes]
+    start: int
+    block_ids: list[int]
+
+
+@dataclass
+class TierKVMetadata(KVConnectorMetadata):
+    """One step's work. ``report_when_saved``: requests whose block free vLLM
+    delayed for us; a worker lists each in ``finished_sending`` once its saves
+    are done. ``preempted``: requests whose blocks vLLM just freed."""
+
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    report_when_saved: set[str] = field(default_factory=set)
+    preempted: set[str] = field(default_factory=set)
+
+
+@dataclass
+class TierKVWorkerMetadata(KVConnectorWorkerMetadata):
+    """Worker -> scheduler: loads finished (pins can go), saves finished
+    (save_id -> blocks stored, a leading run), and keys whose load failed."""
+
+    loads_done: set[str] = field(default_factory=set)
+    saves_done: dict[int, int] = field(default_factory=dict)
+    lost: list[bytes] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, TierKVWorkerMetadata):
+            return self
+        saves = dict(self.saves_done)
+        for save_id, n in other.saves_done.items():
+            saves[save_id] = min(n, saves.get(save_id, n))
+        return TierKVWorkerMetadata(self.loads_done | other.loads_done, saves, self.lost + other.lost)

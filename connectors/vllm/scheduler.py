@@ -1,0 +1,239 @@
+"""Scheduler side of the vLLM connector: decides what to load and save; moves no bytes.
+
+Per request it keeps tierkv's chain of block keys (from the token ids, so
+vLLM and tierkv's own engine share blocks), the store match it promised to
+vLLM (pinned until the worker reports the load done), how far the chain is
+known to be stored, and how many of its saves are still running. Called only
+from vLLM's scheduler thread; not thread-safe.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_events import BlockRemoved, BlockStored
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from tierkv.connectors.vllm.config import VllmSettings
+from tierkv.connectors.vllm.metadata import LoadSpec, SaveSpec, TierKVMetadata, TierKVWorkerMetadata
+from tierkv.index import Tier
+from tierkv.store import Match, TierKVStore
+
+log = logging.getLogger("tierkv.connectors.vllm")
+
+_SOURCES = {Tier.L1: CacheHitSource.HOST, Tier.L2: CacheHitSource.HOST, Tier.L3: CacheHitSource.DISK,
+            Tier.L4: CacheHitSource.EXTERNAL_UNSPECIFIED}
+
+
+@dataclass
+class _Request:
+    request: object
+    keys: list[bytes] = field(default_factory=list)
+    match: Match | None = None
+    match_start: int = 0
+    match_async: bool = False
+    loading: bool = False
+    load_tiers: list[int] = field(default_factory=list)
+    stored_upto: int = 0
+    saved_upto: int = 0
+    saves_running: int = 0
+
+
+class ConnectorScheduler:
+    def __init__(self, store: TierKVStore, settings: VllmSettings) -> None:
+        self.store = store
+        self.settings = settings
+        self.block_size = store.block_size
+        self._requests: dict[str, _Request] = {}
+        self._loads: list[LoadSpec] = []
+        self._report_when_saved: set[str] = set()
+        self._saves: dict[int, tuple[str, SaveSpec, list[int]]] = {}
+        self._next_save_id = 0
+        self._events: list = []
+        self._medium = "CPU" if store.l2 is not None else "STORAGE"
+
+    # -- requests and keys ----------------------------------------------------
+
+    def on_new_request(self, request) -> None:
+        if _cacheable(request):
+            self._requests[request.request_id] = _Request(request)
+
+    def _keys(self, st: _Request, num_blocks: int) -> list[bytes]:
+        """The request's chain of block keys, extended to ``num_blocks`` full blocks."""
+        have = len(st.keys)
+        if have < num_blocks:
+            req = st.request
+            extra = []
+            if req.lora_request is not None:
+                extra.append(f"lora:{req.lora_request.lora_name}")
+            if req.cache_salt:
+                extra.append(f"salt:{req.cache_salt}")
+            tokens = req.all_token_ids[: num_blocks * self.block_size]
+            seed = self.store.seed(None, extra)
+            st.keys.extend(self.store.hasher.hash_blocks(
+                tokens, self.block_size, seed, start=have, parent=st.keys[-1] if have else None))
+        return st.keys
+
+    def _drop_match(self, st: _Request) -> None:
+        if st.match is not None:
+            self.store.release(st.match)
+            st.match = None
+
+    # -- lookup ---------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int, bool]:
+        """Tokens tierkv can load beyond vLLM's own (block-aligned) hit, and whether asynchronously.
+
+        Never the whole prompt: at most ``(num_tokens - 1) // block_size`` blocks,
+        so at least one token is computed. The match is pinned until the load
+        is done; a repeated call (the request was not admitted) drops the old pin.
+        """
+        st = self._requests.get(request.request_id)
+        if st is None or st.loading:
+            return 0, False
+        self._drop_match(st)
+        limit = (request.num_tokens - 1) // self.block_size
+        start = num_computed_tokens // self.block_size
+        if limit <= 0:
+            return 0, False
+        keys = self._keys(st, limit)[:limit]
+        if start >= limit:
+            st.stored_upto = self.store.lookup_keys(keys, pin=False).num_blocks
+            return 0, False
+        m = self.store.lookup_keys(keys, pin=True)
+        st.stored_upto = m.num_blocks
+        if m.num_blocks <= start:
+            self.store.release(m)
+            return 0, False
+        tiers = m.tiers[start:]
+        mode = self.settings.load_async
+        is_async = mode == "always" or (mode == "auto" and any(t >= Tier.L3 for t in tiers))
+        st.match, st.match_start, st.match_async = m, start, is_async
+        return len(tiers) * self.block_size, is_async
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        """Record the vLLM blocks to fill. The second call after an async load (0 tokens) changes nothing."""
+        st = self._requests.get(request.request_id)
+        if st is None or st.loading:
+            return
+        if num_external_tokens == 0 or st.match is None:
+            self._drop_match(st)
+            return
+        n = num_external_tokens // self.block_size
+        start = st.match_start
+        block_ids = blocks.get_block_ids()[0][start : start + n]
+        self._loads.append(LoadSpec(request.request_id, list(st.keys[: start + n]), start, block_ids,
+                                    st.match_async))
+        st.loading = True
+        st.load_tiers = st.match.tiers[start : start + n]
+        st.stored_upto = max(st.stored_upto, start + n)
+
+    def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
+        """The loaded tokens by medium: L2 host memory, L3 disk, L4 remote (unspecified)."""
+        st = self._requests.get(request.request_id)
+        if not num_external_tokens or st is None:
+            return {}
+        out: dict = {}
+        for t in st.load_tiers:
+            out[_SOURCES[t]] = out.get(_SOURCES[t], 0) + self.block_size
+        if sum(out.values()) != num_external_tokens:
+            return {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+        return out
+
+    # -- per step -------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output) -> TierKVMetadata:
+        """This step's loads and saves; resets the step state."""
+        meta = TierKVMetadata(loads=self._loads, report_when_saved=self._report_when_saved,
+                              preempted=set(scheduler_output.preempted_req_ids or ()))
+        self._loads, self._report_when_saved = [], set()
+        for req_id in meta.preempted:
+            st = self._requests.get(req_id)
+            if st is not None:
+                self._drop_match(st)
+                st.loading = False
+        if self.settings.save:
+            meta.saves = self._plan_saves(scheduler_output)
+        return meta
+
+    def _plan_saves(self, so) -> list[SaveSpec]:
+        computed = {r.req_id: r.num_computed_tokens for r in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens))
+        block_state = so.kv_connector_block_state
+        saves = []
+        for req_id, n_sched in so.num_scheduled_tokens.items():
+            st = self._requests.get(req_id)
+            if st is None or block_state is None:
+                continue
+            full = min(computed.get(req_id, 0) + n_sched, st.request.num_tokens) // self.block_size
+            start = max(st.saved_upto, st.stored_upto)
+            if full <= start:
+                continue
+            ids = (block_state.get_block_ids(req_id) or ([],))[0][start:full]
+            if len(ids) != full - start:
+                continue
+            keys = self._keys(st, full)[:full]
+            spec = SaveSpec(self._next_save_id, req_id, list(keys), start, ids)
+            tokens = list(st.request.all_token_ids[start * self.block_size : full * self.block_size])
+            self._saves[spec.save_id] = (req_id, spec, tokens)
+            self._next_save_id += 1
+            st.saved_upto = full
+            st.saves_running += 1
+            saves.append(spec)
+        return saves
+
+    def update_connector_output(self, connector_output) -> None:
+        """Apply the workers' report: release pins of finished loads, count finished saves, emit events."""
+        for req_id in connector_output.finished_sending or ():
+            self._requests.pop(req_id, None)
+        wm = connector_output.kv_connector_worker_meta
+        if not isinstance(wm, TierKVWorkerMetadata):
+            return
+        for req_id in wm.loads_done:
+            st = self._requests.get(req_id)
+            if st is not None:
+                self._drop_match(st)
+                st.loading = False
+        for save_id, n_ok in wm.saves_done.items():
+            req_id, spec, tokens = self._saves.pop(save_id, (None, None, None))
+            if spec is None:
+                continue
+            st = self._requests.get(req_id)
+            if st is not None:
+                st.saves_running -= 1
+            if n_ok > 0:
+                self._events.append(BlockStored(
+                    block_hashes=spec.keys[spec.start : spec.start + n_ok],
+                    parent_block_hash=spec.keys[spec.start - 1] if spec.start else None,
+                    token_ids=tokens[: n_ok * self.block_size], block_size=self.block_size,
+                    lora_id=None, medium=self._medium, lora_name=None))
+        if wm.lost:
+            self._events.append(BlockRemoved(block_hashes=list(wm.lost), medium=self._medium))
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """Delay freeing the request's blocks while a background save still reads them."""
+        st = self._requests.get(request.request_id)
+        if st is None:
+            return False, None
+        self._drop_match(st)
+        if st.saves_running > 0:
+            self._report_when_saved.add(request.request_id)
+            return True, None
+        del self._requests[request.request_id]
+        return False, None
+
+    def take_events(self) -> list:
+        events, self._events = self._events, []
+        return events
+
+    def shutdown(self) -> None:
+        for st in self._requests.values():
+            self._drop_match(st)
+
+
+def _cacheable(request) -> bool:
+    """Requests whose KV is a function of their token ids alone."""
+    return (request.prompt_token_ids is not None and not request.mm_features
+            and getattr(request, "prompt_embeds", None) is None)

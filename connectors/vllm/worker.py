@@ -1,0 +1,267 @@
+"""Worker side of the vLLM connector: moves blocks between the store and vLLM's KV cache.
+
+Loads: ``store.load`` reads the blocks into staging canonical blocks (on the
+store's transfer threads), then ``scatter_blocks`` writes them into vLLM's
+per-layer caches — inside ``start_load_kv`` for a synchronous load, from
+``get_finished`` for an asynchronous one, whose request vLLM holds in
+WAITING_FOR_REMOTE_KVS meanwhile. Only the leading run of good blocks is
+written; the vLLM block ids from the first bad block on are reported by
+``get_block_ids_with_load_errors`` so vLLM recomputes them.
+
+Saves: ``gather_blocks`` copies this step's full blocks into staging
+canonical blocks and ``store.put_blocks`` stores them. With ``save_async``
+both run on one background thread; a block it still reads is never handed
+back for reuse: vLLM delays freeing a finished request's blocks
+(``finished_sending`` says when), preemptions and loads into such a block
+wait for the thread first.
+
+Called from vLLM's worker thread; the background save thread shares only
+the counters guarded by ``_lock``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import torch
+
+from tierkv.connectors.vllm.config import VllmSettings
+from tierkv.connectors.vllm.layout import cache_view, resolve_split
+from tierkv.connectors.vllm.metadata import LoadSpec, SaveSpec, TierKVMetadata, TierKVWorkerMetadata
+from tierkv.kernels import gather_blocks, scatter_blocks
+from tierkv.store import Match, TierKVStore
+from tierkv.transfer import LoadHandle, LoadResult
+
+log = logging.getLogger("tierkv.connectors.vllm")
+
+
+@dataclass
+class _Load:
+    spec: LoadSpec
+    match: Match
+    handle: LoadHandle
+    staging: torch.Tensor
+    num_found: int
+
+
+@dataclass
+class _StepSaves:
+    meta: TierKVMetadata
+    ids: torch.Tensor
+    staging: torch.Tensor
+    gathered: set[int] = field(default_factory=set)
+
+
+class ConnectorWorker:
+    def __init__(self, store: TierKVStore, settings: VllmSettings, layer_names: Sequence[str]) -> None:
+        self.store = store
+        self.settings = settings
+        self.layout = store.layout
+        self.layer_index = {name: i for i, name in enumerate(layer_names)}
+        self.layer_names = list(layer_names)
+        self.kv: torch.Tensor | None = None
+        self._async: dict[str, _Load] = {}
+        self._errors: set[int] = set()
+        self._step: _StepSaves | None = None
+        self._lock = threading.Lock()
+        self._loads_done: set[str] = set()
+        self._saves_done: dict[int, int] = {}
+        self._lost: list[bytes] = []
+        self._running: Counter[str] = Counter()
+        self._reading: Counter[int] = Counter()
+        self._report: set[str] = set()
+        self._jobs: list[Future] = []
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="tierkv-vllm-save")
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Adopt vLLM's per-layer caches as one strided view; refuses a layout it does not know."""
+        first = kv_caches[self.layer_names[0]] if self.layer_names[0] in kv_caches else next(iter(kv_caches.values()))
+        split = resolve_split(self.settings.kv_split, first.device)
+        self.kv = cache_view(kv_caches, self.layer_names, self.layout, split)
+
+    def bind(self, meta: TierKVMetadata) -> None:
+        self._report |= meta.report_when_saved
+
+    # -- loads ----------------------------------------------------------------
+
+    def start_load_kv(self, meta: TierKVMetadata) -> None:
+        """Start every load of this step; finish the synchronous ones before returning."""
+        pending = [self._start(spec) for spec in meta.loads]
+        for load in pending:
+            if load.spec.is_async:
+                self._async[load.spec.req_id] = load
+            else:
+                self._finish(load)
+
+    def _start(self, spec: LoadSpec) -> _Load:
+        m = self.store.lookup_keys(spec.keys, pin=True)
+        end = min(m.num_blocks, len(spec.keys))
+        found = max(0, end - spec.start)
+        sub = Match(m.keys[spec.start : spec.start + found], m.tiers[spec.start : spec.start + found],
+                    m.entries[spec.start : spec.start + found], m.block_size)
+        staging = torch.empty((found, *self.layout.block_shape), dtype=self.layout.torch_dtype)
+        if found:
+            handle = self.store.load(sub, list(staging.unbind(0)))
+        else:
+            handle = LoadHandle.completed(LoadResult([]))
+        return _Load(spec, m, handle, staging, found)
+
+    def _finish(self, load: _Load) -> None:
+        spec = load.spec
+        try:
+            ok = load.handle.wait().ok
+        except Exception as exc:  # a failed load is a miss, never a failed request
+            log.warning("tierkv: load for %s failed (%r); vLLM recomputes it", spec.req_id, exc)
+            ok = [False] * load.num_found
+        good = 0
+        while good < load.num_found and ok[good]:
+            good += 1
+        if good:
+            self._wait_for_readers(spec.block_ids[:good])
+            ids = torch.tensor(spec.block_ids[:good], dtype=torch.int64, device=self.kv.device)
+            scatter_blocks(self.kv, ids, load.staging[:good].to(self.kv.device, non_blocking=True))
+        self._errors.update(spec.block_ids[good:])
+        lost = [spec.keys[spec.start + j] for j in range(load.num_found) if not ok[j]]
+        self.store.release(load.match)
+        with self._lock:
+            self._lost.extend(lost)
+            self._loads_done.add(spec.req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """(requests whose delayed free may happen now, requests whose async load completed)."""
+        recving = set()
+        for req_id, load in list(self._async.items()):
+            if load.handle.done():
+                del self._async[req_id]
+                self._finish(load)
+                recving.add(req_id)
+        with self._lock:
+            sending = {r for r in self._report if self._running[r] == 0}
+        self._report -= sending
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        errors, self._errors = self._errors, set()
+        return errors
+
+    # -- saves ----------------------------------------------------------------
+
+    def _step_for(self, meta: TierKVMetadata) -> _StepSaves:
+        if self._step is None or self._step.meta is not meta:
+            ids = [b for spec in meta.saves for b in spec.block_ids]
+            staging = torch.empty((len(ids), *self.layout.block_shape), dtype=self.layout.torch_dtype,
+                                  device=self.kv.device)
+            self._step = _StepSaves(meta, torch.tensor(ids, dtype=torch.int64, device=self.kv.device), staging)
+        return self._step
+
+    def save_kv_layer(self, layer_name: str, meta: TierKVMetadata) -> None:
+        """Synchronous saves gather each layer as soon as vLLM has written it."""
+        if not meta.saves or self.settings.save_async or layer_name not in self.layer_index:
+            return
+        step = self._step_for(meta)
+        self._gather(step, [self.layer_index[layer_name]])
+
+    def _gather(self, step: _StepSaves, layers: Sequence[int]) -> None:
+        for layer in layers:
+            if layer not in step.gathered:
+                gather_blocks(self.kv[layer : layer + 1], step.ids, step.staging[:, layer : layer + 1])
+                step.gathered.add(layer)
+
+    def wait_for_save(self, meta: TierKVMetadata) -> None:
+        """Store this step's full blocks: now, or on the save thread with ``save_async``."""
+        if not meta.saves:
+            return
+        step = self._step_for(meta)
+        self._step = None
+        every = range(len(self.layer_names))
+        if not self.settings.save_async:
+            self._gather(step, every)
+            self._put(step, step.staging.cpu())
+            return
+        on_cuda = self.kv.device.type == "cuda"
+        event = None
+        if on_cuda:  # gather on the compute stream; the thread only waits for it
+            self._gather(step, every)
+            event = torch.cuda.Event()
+            event.record()
+        with self._lock:
+            for spec in meta.saves:
+                self._running[spec.req_id] += 1
+                self._reading.update(spec.block_ids)
+        self._jobs = [j for j in self._jobs if not j.done()]
+        self._jobs.append(self._saver.submit(self._save_job, step, event))
+
+    def _save_job(self, step: _StepSaves, event) -> None:
+        try:
+            if event is not None:
+                event.synchronize()
+                staging = step.staging.cpu()
+            else:
+                self._gather(step, range(len(self.layer_names)))
+                staging = step.staging
+            self._put(step, staging)
+        except Exception as exc:  # a failed save is a future miss, never a failed request
+            log.warning("tierkv: background save failed (%r); those blocks stay uncached", exc)
+            with self._lock:
+                for spec in step.meta.saves:
+                    self._saves_done.setdefault(spec.save_id, 0)
+        finally:
+            with self._lock:
+                for spec in step.meta.saves:
+                    self._running[spec.req_id] -= 1
+                    self._reading.subtract(spec.block_ids)
+                self._reading = +self._reading
+
+    def _put(self, step: _StepSaves, staging: torch.Tensor) -> None:
+        first = 0
+        for spec in step.meta.saves:
+            n = len(spec.block_ids)
+            flags = self.store.put_blocks(spec.keys, list(staging[first : first + n].unbind(0)), spec.start)
+            first += n
+            good = 0
+            while good < n and flags[good]:
+                good += 1
+            with self._lock:
+                self._saves_done[spec.save_id] = good
+
+    def _wait_for_readers(self, block_ids: Sequence[int]) -> None:
+        with self._lock:
+            busy = any(self._reading[b] for b in block_ids)
+        if busy:
+            self._drain()
+
+    def _drain(self) -> None:
+        for job in self._jobs:
+            job.result()
+        self._jobs = []
+
+    def handle_preemptions(self, meta: TierKVMetadata) -> None:
+        """vLLM freed the preempted requests' blocks: finish saves that still read them."""
+        with self._lock:
+            busy = any(self._running[r] for r in meta.preempted)
+        if busy:
+            self._drain()
+
+    def build_worker_meta(self) -> TierKVWorkerMetadata | None:
+        with self._lock:
+            if not (self._loads_done or self._saves_done or self._lost):
+                return None
+            meta = TierKVWorkerMetadata(self._loads_done, self._saves_done, self._lost)
+            self._loads_done, self._saves_done, self._lost = set(), {}, []
+        return meta
+
+    def shutdown(self) -> None:
+        self._drain()
+        self._saver.shutdown(wait=True)
+        for load in self._async.values():
+            try:
+                load.handle.wait()
+            except Exception:  # shutting down: the outcome no longer matters
+                pass
+            self.store.release(load.match)
+        self._async.clear()

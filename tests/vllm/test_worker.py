@@ -1,0 +1,125 @@
+"""The connector's worker side on vLLM 0.32.0's CPU cache tensors, and its configuration.
+
+Round trip: canonical blocks in the store -> a load into vLLM's per-layer
+caches (checked through vLLM's own CPU-backend K/V split) -> a save gathered
+back into the store -> the same bytes.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from harness import BLOCK, LAYERS
+
+from tierkv.connectors.vllm.config import load_config
+from tierkv.connectors.vllm.layout import cache_view
+from tierkv.connectors.vllm.metadata import LoadSpec, SaveSpec, TierKVMetadata
+
+
+def run_step(e, meta: TierKVMetadata) -> None:
+    w = e.worker
+    w.bind_connector_metadata(meta)
+    w.start_load_kv(None)
+    for name in LAYERS:
+        w.save_kv_layer(name, e.caches[name], None)
+    w.wait_for_save()
+    w.clear_connector_metadata()
+
+
+def canonical(e, n: int, seed: int) -> torch.Tensor:
+    layout = e.store.layout
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(n, *layout.block_shape, generator=gen).to(layout.torch_dtype)
+
+
+def vllm_holds(e, block_id: int, block: torch.Tensor) -> bool:
+    """Whether vLLM block ``block_id`` of every layer, read as the CPU backend reads it, is ``block``."""
+    for layer, name in enumerate(LAYERS):
+        key_cache, value_cache = e.layer_kv(name)
+        if not torch.equal(key_cache[block_id].transpose(0, 1), block[layer, 0]):
+            return False
+        if not torch.equal(value_cache[block_id].transpose(0, 1), block[layer, 1]):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("save_async", [False, True])
+def test_round_trip_canonical_vllm_canonical_is_byte_identical(engine, save_async):
+    e = engine(save_async=save_async)
+    blocks = canonical(e, 4, seed=0)
+    keys = e.store.hash(list(range(4 * BLOCK)))
+    assert e.store.put_blocks(keys, list(blocks)) == [True] * 4
+    run_step(e, TierKVMetadata(loads=[LoadSpec("x", keys, 1, [9, 2, 5], False)]))
+    assert e.worker.get_block_ids_with_load_errors() == set()
+    assert [vllm_holds(e, b, blocks[1 + j]) for j, b in enumerate([9, 2, 5])] == [True] * 3
+    assert not e.caches[LAYERS[0]][[1, 3, 4, 6, 7, 8]].any()  # nothing else written
+
+    keys2 = e.store.hash(list(range(1000, 1000 + 2 * BLOCK)))
+    run_step(e, TierKVMetadata(saves=[SaveSpec(0, "y", keys2, 0, [2, 9])]))  # a partial batch
+    e.worker._worker._drain()
+    assert e.worker.build_connector_worker_meta().saves_done == {0: 2}
+    m = e.store.lookup_keys(keys2)
+    back = torch.zeros(2, *e.store.layout.block_shape, dtype=blocks.dtype)
+    assert e.store.load(m, list(back.unbind(0))).wait().ok == [True, True]
+    e.store.release(m)
+    assert torch.equal(back[0].view(torch.int16), blocks[2].view(torch.int16))
+    assert torch.equal(back[1].view(torch.int16), blocks[1].view(torch.int16))
+
+
+def test_missing_blocks_are_reported_as_load_errors(engine):
+    e = engine(save_async=False)
+    blocks = canonical(e, 2, seed=1)
+    keys = e.store.hash(list(range(3 * BLOCK)))
+    assert e.store.put_blocks(keys[:2], list(blocks)) == [True, True]
+    run_step(e, TierKVMetadata(loads=[LoadSpec("z", keys, 0, [4, 6, 8], False)]))
+    assert e.worker.get_block_ids_with_load_errors() == {8}
+    assert e.worker.get_block_ids_with_load_errors() == set()  # reported once
+    assert vllm_holds(e, 4, blocks[0]) and vllm_holds(e, 6, blocks[1])
+    assert e.worker.build_connector_worker_meta().loads_done == {"z"}
+
+
+def test_register_refuses_an_unknown_layout(engine):
+    e = engine()
+    layout = e.store.layout
+    legacy = {n: torch.zeros(2, 64, BLOCK, layout.num_kv_heads, layout.head_dim, dtype=torch.float16)
+              for n in LAYERS}
+    with pytest.raises(ValueError, match=r"unknown layout \(2, 64, 32, 4, 32\).*\[num_blocks, 4, 32, 64\]"):
+        e.worker.register_kv_caches(legacy)
+    apart = {n: torch.zeros(64, layout.num_kv_heads, BLOCK, 2 * layout.head_dim, dtype=torch.float16)
+             for n in LAYERS}
+    with pytest.raises(ValueError, match="not in the same allocation"):
+        e.worker.register_kv_caches(apart)
+    with pytest.raises(ValueError, match="no cache for layers"):
+        e.worker.register_kv_caches({LAYERS[0]: e.caches[LAYERS[0]]})
+
+
+def test_view_over_vllm_caches_is_the_cpu_backend_split(engine):
+    e = engine()
+    kv = cache_view(e.caches, LAYERS, e.store.layout, "planes")
+    e.caches[LAYERS[1]].copy_(torch.arange(e.caches[LAYERS[1]].numel()).view_as(e.caches[LAYERS[1]]) % 2039)
+    key_cache, value_cache = e.layer_kv(LAYERS[1])
+    assert torch.equal(kv[1, :, 0], key_cache.transpose(1, 2))
+    assert torch.equal(kv[1, :, 1], value_cache.transpose(1, 2))
+    assert kv.untyped_storage().data_ptr() == e.caches[LAYERS[0]].untyped_storage().data_ptr()
+
+
+def test_config_layers_extra_config_and_env():
+    extra = {"l2": {"capacity": "2GiB"}, "l1": {"num_blocks": 8}, "vllm": {"load_async": "always"}}
+    env = {"TIERKV_L2_CAPACITY": "1GiB", "TIERKV_VLLM_SAVE_ASYNC": "false"}
+    cfg = load_config(extra, "my/model", "abc", env=env)
+    assert cfg.store.model_id == "my/model" and cfg.store.model_revision == "abc"
+    assert cfg.store.l2.capacity == 1 << 30 and cfg.store.l1.num_blocks == 0
+    assert (cfg.vllm.load_async, cfg.vllm.save_async) == ("always", False)
+
+
+@pytest.mark.parametrize("extra, env, message", [
+    ({"vllm": {"load_async": "sometimes"}}, {}, "vllm.load_async: expected one of ['auto', 'always', 'never']"),
+    ({"vllm": {"speed": 1}}, {}, "vllm.speed: unknown setting"),
+    ({"l2": {"capacity": "lots"}}, {}, "l2.capacity: expected a size"),
+    ({}, {"TIERKV_VLLM_COLOR": "red"}, "TIERKV_VLLM_COLOR: unknown setting vllm.color"),
+])
+def test_config_errors_name_the_field(extra, env, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_config(extra, "m", None, env=env)
