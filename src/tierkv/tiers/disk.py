@@ -143,11 +143,14 @@ class DiskTier:
         out = [False] * len(keys)
         try:
             with self._env.begin(write=True) as txn:
-                todo = []
+                todo, batch = [], set()
                 for i, key in enumerate(keys):
-                    if txn.get(key, db=self._blocks) is not None:
+                    # A key twice in one batch must take one slot: the second record would
+                    # overwrite the first and leak its slot for good.
+                    if key in batch or txn.get(key, db=self._blocks) is not None:
                         out[i] = True
                         continue
+                    batch.add(key)
                     slot = self._take_slot(txn)
                     if slot is None:
                         self._on_failure("l3", "full", len(keys) - i, str(self.path))
@@ -332,7 +335,10 @@ class DiskTier:
             return False
         if view is None:
             staged = torch.frombuffer(bounce, dtype=torch.uint8, count=self.block_bytes)
-            dst.view(torch.uint8).view(-1).copy_(staged if on_cpu else staged.to(dst.device))
+            if dst.is_contiguous():
+                dst.view(torch.uint8).view(-1).copy_(staged if on_cpu else staged.to(dst.device))
+            else:  # a strided view cannot be reinterpreted as bytes
+                dst.copy_(staged.view(dst.dtype).view(dst.shape))
         return True
 
     def _remove_if_unchanged(self, recs: list[Record]) -> None:
