@@ -1,0 +1,234 @@
+"""L3 disk tier: slot file + LMDB index, O_DIRECT, checksums, corruption, truncation, full disk."""
+
+from __future__ import annotations
+
+import mmap
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from _kv import LAYOUT, ODD_LAYOUT, block_for, key_of, same_bytes
+from tierkv.layout import KVLayout
+from tierkv.tiers.base import Lineage
+from tierkv.tiers.disk import DiskTier
+
+
+class Hook:
+    """Records failure reports: (tier, reason, blocks, detail)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, int, str]] = []
+
+    def __call__(self, tier: str, reason: str, n: int, detail: str) -> None:
+        self.calls.append((tier, reason, n, detail))
+
+    def count(self, reason: str) -> int:
+        return sum(n for _, r, n, _ in self.calls if r == reason)
+
+
+def aligned_block(layout: KVLayout) -> torch.Tensor:
+    """A page-aligned block tensor, as an L1 slot is (O_DIRECT reads land in it directly)."""
+    mm = mmap.mmap(-1, layout.block_bytes)
+    t = torch.frombuffer(mm, dtype=layout.torch_dtype).view(layout.block_shape)
+    assert t.data_ptr() % 4096 == 0
+    return t
+
+
+def plain_block(layout: KVLayout) -> torch.Tensor:
+    """A block tensor that is not page-aligned, so reads go through the bounce buffer."""
+    buf = torch.empty(layout.block_bytes + 64, dtype=torch.uint8)
+    t = buf[64:].view(layout.torch_dtype).view(layout.block_shape)
+    assert t.data_ptr() % 4096 != 0
+    return t
+
+
+def put_keys(tier: DiskTier, labels, layout: KVLayout = LAYOUT) -> list[bytes]:
+    keys = [key_of("disk", label) for label in labels]
+    lineage = [Lineage(keys[i - 1] if i else None, i) for i in range(len(keys))]
+    assert tier.put(keys, [block_for(k, layout) for k in keys], lineage) == [True] * len(keys)
+    return keys
+
+
+def read_ok(tier: DiskTier, keys, layout: KVLayout = LAYOUT, aligned: bool = True) -> list[bool]:
+    dst = [aligned_block(layout) if aligned else plain_block(layout) for _ in keys]
+    flags = tier.get(keys, dst)
+    return [f and same_bytes(d, block_for(k, layout)) for f, d, k in zip(flags, dst, keys)]
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ 0x5A]))
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, ODD_LAYOUT], ids=["4KiB", "odd"])
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "bounce"])
+@pytest.mark.parametrize("direct_io", [True, False], ids=["odirect", "buffered"])
+def test_round_trip(tmp_path, layout, aligned, direct_io):
+    tier = DiskTier(tmp_path / "l3", layout, 16, direct_io=direct_io)
+    assert tier.direct is direct_io
+    keys = put_keys(tier, range(10), layout)
+    assert tier.used == 10 and tier.capacity == 16
+    assert tier.contains(keys + [key_of("absent")]) == [True] * 10 + [False]
+    # Out of order, with a gap and a missing key: runs of consecutive slots and singles.
+    order = [keys[7], keys[0], keys[1], keys[2], key_of("absent"), keys[9], keys[4]]
+    assert read_ok(tier, order, layout, aligned) == [True] * 4 + [False, True, True]
+    # The same block read twice in one batch.
+    assert read_ok(tier, [keys[3], keys[3]], layout, aligned) == [True, True]
+    tier.close()
+
+
+def test_records_keep_lineage_and_survive_reopening(tmp_path):
+    tier = DiskTier(tmp_path / "l3", LAYOUT, 8, meta={"model_id": "m1"})
+    keys = put_keys(tier, "abc")
+    tier.close()
+    again = DiskTier(tmp_path / "l3", LAYOUT, 4, meta={"model_id": "other"})
+    assert again.capacity == 8  # capacity never shrinks under existing slots
+    recs = {r.key: r for r in again.records()}
+    assert set(recs) == set(keys)
+    assert [(recs[k].parent, recs[k].depth) for k in keys] == [(None, 0), (keys[0], 1), (keys[1], 2)]
+    assert sorted(r.slot for r in recs.values()) == [0, 1, 2]
+    assert read_ok(again, keys) == [True] * 3
+    assert again.meta()["model_id"] == "m1" and again.meta()["layout_fingerprint"] == LAYOUT.fingerprint
+    assert again.read_raw(keys[1]) == bytes(block_for(keys[1], LAYOUT).view(torch.uint8).reshape(-1).numpy())
+    again.close()
+
+
+def test_other_layout_is_refused_naming_the_path(tmp_path):
+    DiskTier(tmp_path / "l3", LAYOUT, 4).close()
+    with pytest.raises(ValueError, match=r"^l3\.path: .* holds blocks of layout"):
+        DiskTier(tmp_path / "l3", ODD_LAYOUT, 4)
+    with pytest.raises(FileNotFoundError, match=r"^l3\.path: "):
+        DiskTier(tmp_path / "nothing", LAYOUT, 4, create=False)
+
+
+def test_full_tier_counts_and_freed_slots_are_reused(tmp_path):
+    hook = Hook()
+    tier = DiskTier(tmp_path / "l3", LAYOUT, 3, on_failure=hook)
+    keys = [key_of("full", i) for i in range(5)]
+    assert tier.put(keys[:4], [block_for(k, LAYOUT) for k in keys[:4]]) == [True, True, True, False]
+    assert hook.calls[0][:3] == ("l3", "full", 1)
+    assert tier.put([keys[0]], [block_for(keys[0], LAYOUT)]) == [True]  # already held: no slot needed
+    slot1 = {r.key: r.slot for r in tier.records()}[keys[1]]
+    tier.remove([keys[1], key_of("absent")])
+    assert tier.used == 2
+    assert tier.put([keys[4]], [block_for(keys[4], LAYOUT)]) == [True]
+    assert {r.key: r.slot for r in tier.records()}[keys[4]] == slot1
+    assert read_ok(tier, [keys[0], keys[2], keys[4]]) == [True] * 3
+    assert read_ok(tier, [keys[1]]) == [False]
+    tier.close()
+
+
+def test_a_key_twice_in_one_put_takes_one_slot(tmp_path):
+    tier = DiskTier(tmp_path / "l3", LAYOUT, 2)
+    k, other = key_of("dup"), key_of("dup", "other")
+    assert tier.put([k, k], [block_for(k, LAYOUT)] * 2) == [True, True]
+    assert tier.used == 1
+    tier.remove([k])
+    assert tier.put([k, other], [block_for(k, LAYOUT), block_for(other, LAYOUT)]) == [True, True]
+    assert read_ok(tier, [k, other]) == [True, True]
+    tier.close()
+
+
+@pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "bounce"])
+def test_flipped_bytes_are_counted_misses_and_removed(tmp_path, aligned):
+    hook = Hook()
+    tier = DiskTier(tmp_path / "l3", LAYOUT, 8, on_failure=hook)
+    keys = put_keys(tier, range(6))
+    slots = {r.key: r.slot for r in tier.records()}
+    for k, offset in ((keys[1], 0), (keys[4], LAYOUT.block_bytes - 1), (keys[5], 1234)):
+        flip_byte(tier.path / "slots.bin", slots[k] * tier.stride + offset)
+    assert read_ok(tier, keys, aligned=aligned) == [True, False, True, True, False, False]
+    assert hook.count("corrupt") == 3
+    assert tier.contains(keys) == [True, False, True, True, False, False]
+    assert read_ok(tier, keys, aligned=aligned) == [True, False, True, True, False, False]
+    assert hook.count("corrupt") == 3  # removed blocks are plain misses afterwards
+    # Their slots went back to the free list.
+    fresh = put_keys(tier, ["n1", "n2", "n3", "n4"])[:3]
+    assert sorted({r.key: r.slot for r in tier.records()}[k] for k in fresh) == sorted(
+        slots[k] for k in (keys[1], keys[4], keys[5]))
+    tier.close()
+
+
+def test_truncated_slot_file_gives_counted_misses_then_heals_on_reopen(tmp_path):
+    hook = Hook()
+    tier = DiskTier(tmp_path / "l3", LAYOUT, 8, on_failure=hook)
+    keys = put_keys(tier, range(6))
+    slots = {r.key: r.slot for r in tier.records()}
+    os.truncate(tier.path / "slots.bin", 3 * tier.stride + 100)
+    ok = read_ok(tier, keys)
+    assert ok == [slots[k] < 3 for k in keys] and ok.count(True) == 3
+    assert hook.count("corrupt") == 3
+    tier.close()
+    # Reopened: the file is grown back to capacity; zeros never pass a checksum.
+    os.truncate(tmp_path / "l3" / "slots.bin", 4096)
+    hook2 = Hook()
+    again = DiskTier(tmp_path / "l3", LAYOUT, 8, on_failure=hook2)
+    assert os.path.getsize(again.path / "slots.bin") == 8 * again.stride
+    assert read_ok(again, keys) == [slots[k] == 0 for k in keys]
+    assert hook2.count("corrupt") == 2
+    again.close()
+
+
+def test_verify_finds_and_repairs_bad_blocks(tmp_path):
+    tier = DiskTier(tmp_path / "l3", LAYOUT, 8)
+    keys = put_keys(tier, range(4))
+    slot = {r.key: r.slot for r in tier.records()}[keys[2]]
+    flip_byte(tier.path / "slots.bin", slot * tier.stride + 7)
+    assert tier.verify() == (4, [keys[2]])
+    assert tier.used == 4
+    assert tier.verify(repair=True) == (4, [keys[2]])
+    assert tier.used == 3 and tier.verify() == (3, [])
+    tier.close()
+
+
+def test_strided_destination_reads_right_values(tmp_path):
+    tier = DiskTier(tmp_path / "l3", LAYOUT, 4)
+    (k,) = put_keys(tier, ["s"])
+    shape = LAYOUT.block_shape
+    buf = torch.zeros(shape[:-1] + (shape[-1] * 2,), dtype=LAYOUT.torch_dtype)
+    dst = buf[..., ::2]
+    assert tier.get([k], [dst]) == [True]
+    assert same_bytes(dst.contiguous(), block_for(k, LAYOUT))
+    tier.close()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """A 1 MiB tmpfs (root only); unmounted afterwards."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_disk_full_fails_puts_gracefully(small_tmpfs):
+    hook = Hook()
+    tier = DiskTier(small_tmpfs / "l3", LAYOUT, 1024, on_failure=hook)  # 4 MiB of slots on 1 MiB
+    keys = [key_of("enospc", i) for i in range(400)]
+    flags = []
+    for k in keys:
+        flags += tier.put([k], [block_for(k, LAYOUT)])
+    stored = [k for k, f in zip(keys, flags) if f]
+    assert 0 < len(stored) < 256
+    assert flags == [True] * len(stored) + [False] * (len(keys) - len(stored))
+    assert hook.count("full") + hook.count("index") == len(keys) - len(stored)
+    assert tier.used == len(stored)
+    assert read_ok(tier, stored) == [True] * len(stored)
+    # The index lives on the same full disk: a remove may fail too, counted and harmless.
+    before = hook.count("index")
+    tier.remove(stored[:2])
+    assert tier.used in (len(stored), len(stored) - 2)
+    assert hook.count("index") == before + (2 if tier.used == len(stored) else 0)
+    assert read_ok(tier, stored[2:]) == [True] * (len(stored) - 2)
+    tier.close()
