@@ -67,8 +67,11 @@ class DiskTier:
         if not create and not (self.path / "index").exists():
             raise FileNotFoundError(f"l3.path: no tierkv L3 directory at {self.path}")
         self.path.mkdir(parents=True, exist_ok=True)
-        self._env = lmdb.open(str(self.path / "index"), map_size=max(1 << 30, num_blocks * 512),
-                              max_dbs=4, max_readers=512, subdir=True, lock=True)
+        try:
+            self._env = lmdb.open(str(self.path / "index"), map_size=max(1 << 30, num_blocks * 512),
+                                  max_dbs=4, max_readers=512, subdir=True, lock=True)
+        except lmdb.Error as exc:  # e.g. a second store on this directory in one process (LMDB forbids it)
+            raise ValueError(f"l3.path: cannot open the index under {self.path}: {exc}") from None
         self._blocks = self._env.open_db(b"blocks")
         self._free = self._env.open_db(b"free")
         self._meta = self._env.open_db(b"meta")
