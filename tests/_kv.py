@@ -13,9 +13,8 @@ import numpy as np
 import torch
 import xxhash
 
-from tierkv.config import L2Config, L3Config, StoreConfig
+from tierkv.config import CostConfig, L2Config, L3Config, PolicyConfig, StoreConfig
 from tierkv.layout import KVLayout
-from tierkv.store import Match
 
 # 2 x 2 x 8 x 2 x 32 fp16 = 4096 bytes: one page, so L3 reads land in L1 slots with O_DIRECT.
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=8)
@@ -45,7 +44,13 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def store_config(layout: KVLayout, l2: int, l3: int, path: str | Path, **fields) -> StoreConfig:
-    """A StoreConfig with L2/L3 capacities given in blocks of ``layout`` (0 disables the tier)."""
+    """A StoreConfig with L2/L3 capacities given in blocks of ``layout`` (0 disables the tier).
+
+    Unless given, the policy is LRU with write-back and recompute is priced so high
+    that the cost model never cuts a match: tests then know exactly what is where.
+    """
+    fields.setdefault("policy", PolicyConfig(name="lru", write="write_back"))
+    fields.setdefault("cost", CostConfig(recompute_us_per_token=1e6))
     return StoreConfig(
         l2=L2Config(capacity=l2 * layout.block_bytes, pin=False),
         l3=L3Config(path=str(path), capacity=max(l3, 1) * layout.block_bytes),
@@ -61,14 +66,15 @@ def prompt(seed: int, num_blocks: int, layout: KVLayout, tail: int = 0) -> list[
 
 
 def save_prompt(store, token_ids: Sequence[int], namespace: str | None = None) -> list[bytes]:
-    """What an engine does after prefill: fill fresh L1 slots with the blocks, save, release."""
+    """What an engine does with a new prompt: look it up (a miss, which advances the
+    index clock), prefill into fresh L1 slots (here: write each block's bytes), save, release."""
     keys = store.hash(token_ids, namespace)
+    m = store.lookup_keys(keys)
     slots = store.allocate(len(keys))
     for key, slot in zip(keys, slots):
         store.l1.block(slot).copy_(block_for(key, store.layout))
-    holder = Match(list(keys), [], [], store.block_size)  # collects the save's pins, counts no lookup
-    adopted = store.save(keys, slots, 0, holder)
-    store.release(holder)
+    adopted = store.save(keys, slots, 0, m)
+    store.release(m)
     if not all(adopted):
         store.free([s for s, a in zip(slots, adopted) if not a])
     return keys

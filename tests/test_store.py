@@ -1,0 +1,309 @@
+"""TierKVStore end to end on CPU: save, push down by pressure, match, load back byte-identical."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+import torch
+
+from _kv import LAYOUT, ODD_LAYOUT, block_for, prompt, same_bytes, save_prompt
+from tierkv.index import Tier
+from tierkv.store import OutOfBlocks
+
+L1, L2, L3 = Tier.L1, Tier.L2, Tier.L3
+
+
+def check_loaded_into_l1(store, m, result) -> None:
+    """Every block of the match is usable and its L1 slot holds exactly its bytes."""
+    assert result.ok == [True] * m.num_blocks and result.num_ok == m.num_blocks
+    for i in range(m.num_blocks):
+        slot = m.entries[i].l1_slot
+        assert slot is not None
+        assert same_bytes(store.l1.block(slot), block_for(m.keys[i], store.layout)), i
+
+
+def load_into_l1(store, m):
+    slots = store.allocate(len(m.to_load))
+    result = store.load(m, slots).wait(30)
+    return slots, result
+
+
+def three_prompts_in_three_tiers(store):
+    """A -> L3, B -> L2, C -> L1 (4 blocks each; L1 and L2 hold 4 blocks)."""
+    prompts = {name: prompt(seed, 4, store.layout, tail=3) for seed, name in enumerate("ABC")}
+    for name in "ABC":
+        save_prompt(store, prompts[name])
+    return prompts
+
+
+@pytest.mark.parametrize("layout", [LAYOUT, ODD_LAYOUT], ids=["4KiB", "odd"])
+@pytest.mark.parametrize("tier", [L1, L2, L3], ids=["L1", "L2", "L3"])
+def test_round_trip_from_each_tier_into_l1(make_store, layout, tier):
+    store = make_store(l1=4, l2=4, l3=16, layout=layout)
+    prompts = three_prompts_in_three_tiers(store)
+    assert store.stats()["usage"] == {"l1": (4, 4), "l2": (4, 4), "l3": (4, 16)}
+    name = {L1: "C", L2: "B", L3: "A"}[tier]
+    m = store.lookup(prompts[name])
+    assert m.tiers == [tier] * 4 and m.num_tokens == 4 * layout.block_size
+    slots, result = load_into_l1(store, m)
+    check_loaded_into_l1(store, m, result)
+    assert result.adopted == [tier != L1] * 4
+    if tier == L1:
+        assert slots == [] and [e.l1_slot for e in m.entries] == m.l1_slots()
+    else:
+        assert [m.entries[i].l1_slot for i in m.to_load] == slots
+    store.release(m)
+    again = store.lookup(prompts[name])
+    assert again.tiers == [L1] * 4
+    check_loaded_into_l1(store, again, store.load(again, []).wait(30))
+    store.release(again)
+    stats = store.stats()
+    assert stats["hits"] == ({"l1": 8} if tier == L1 else {"l1": 4, tier.name.lower(): 4})
+    if tier != L1:
+        assert stats["bytes"][f"{tier.name.lower()}_read"] == 4 * layout.block_bytes
+
+
+@pytest.mark.parametrize("tier", [L2, L3], ids=["L2", "L3"])
+def test_load_into_plain_tensors_adopts_nothing(make_store, layout, tier):
+    store = make_store(l1=4, l2=4, l3=16)
+    prompts = three_prompts_in_three_tiers(store)
+    name = {L2: "B", L3: "A"}[tier]
+    m = store.lookup(prompts[name])
+    dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in m.to_load]
+    result = store.load(m, dst).wait(30)
+    assert result.ok == [True] * 4 and result.adopted == [False] * 4
+    assert all(same_bytes(d, block_for(m.keys[i], layout)) for d, i in zip(dst, m.to_load))
+    store.release(m)
+    assert store.lookup(prompts[name], pin=False).tiers == [tier] * 4
+
+
+def test_a_match_across_three_tiers_loads_every_block(make_store, layout):
+    store = make_store(l1=6, l2=2, l3=16)
+    tokens = prompt(7, 8, layout)
+    keys = store.hash(tokens)
+    assert store.put_blocks(keys, [block_for(k, layout) for k in keys[2:6]], start=2) == [True] * 4
+    save_prompt(store, tokens[: 2 * layout.block_size])
+    m = store.lookup(tokens)
+    # Blocks 0-1 were saved into L1; L2 holds two blocks, the others went down to L3.
+    assert m.tiers[:2] == [L1, L1] and sorted(m.tiers[2:]) == [L2, L2, L3, L3] and m.num_blocks == 6
+    assert m.counts == {"l1": 2, "l2": 2, "l3": 2, "l4": 0}
+    slots, result = load_into_l1(store, m)
+    check_loaded_into_l1(store, m, result)
+    store.release(m)
+
+
+def test_prefix_sharing_k_blocks_matches_exactly_k(make_store, layout):
+    store = make_store(l1=8, l2=4, l3=16)
+    base = prompt(1, 6, layout)
+    save_prompt(store, base)
+    bs = layout.block_size
+    for k in range(7):
+        other = base[: k * bs] + [t + 1 for t in base[k * bs:]] + [5, 6, 7]
+        assert store.lookup(other, pin=False).num_blocks == min(k, 6), k
+        if k < 6:  # one token changed at the end of block k
+            edited = list(base)
+            edited[k * bs + bs - 1] += 1
+            assert store.lookup(edited, pin=False).num_blocks == k
+    assert store.lookup(base[: 3 * bs + bs - 1], pin=False).num_blocks == 3  # partial block: no key
+    assert store.lookup(base + [1] * (bs - 1), pin=False).num_blocks == 6
+
+
+def test_namespace_extra_keys_model_revision_and_layout_isolate(make_store, layout, l3_dir, tmp_path):
+    store = make_store(l1=4, l2=0, l3=16)
+    tokens = prompt(2, 4, layout)
+    save_prompt(store, tokens)
+    save_prompt(store, prompt(3, 4, layout))  # pushes the first prompt down to L3
+    assert store.lookup(tokens, pin=False).tiers == [L3] * 4
+    assert store.lookup(tokens, namespace="tenant-b", pin=False).num_blocks == 0
+    assert store.lookup(tokens, extra_keys=("lora:1",), pin=False).num_blocks == 0
+    save_prompt(store, tokens, namespace="tenant-b")
+    assert store.lookup(tokens, namespace="tenant-b", pin=False).num_blocks == 4
+    keys = store.hash(tokens)
+    store.close()
+    # Other stores on the same L3 directory (one at a time: LMDB allows one per process).
+    for fields, hits in (({}, 4), ({"model_id": "other-model"}, 0), ({"model_revision": "v2"}, 0)):
+        other = make_store(l1=4, l2=0, l3=16, **fields)
+        assert other.lookup(tokens, pin=False).num_blocks == hits, fields
+        other.close()
+    # Another layout gets other keys for the same tokens, and cannot open this L3 at all.
+    other_layout = make_store(l1=4, l2=0, l3=16, layout=ODD_LAYOUT, path=tmp_path / "odd")
+    assert not set(other_layout.hash(tokens)) & set(keys)
+    same = make_store(l1=4, l2=0, l3=16)
+    assert same.lookup_keys(other_layout.hash(tokens), pin=False).num_blocks == 0
+    assert same.lookup_keys(keys, pin=False).num_blocks == 4
+    with pytest.raises(ValueError, match=r"^l3\.path: "):
+        make_store(l1=4, l2=0, l3=16)  # already open in this process
+    same.close()
+    with pytest.raises(ValueError, match=r"^l3\.path: .* holds blocks of layout"):
+        make_store(l1=4, l2=0, l3=16, layout=ODD_LAYOUT)
+
+
+def test_reopened_store_hits_l3_in_the_same_process(make_store, layout):
+    store = make_store(l1=4, l2=0, l3=16)
+    tokens = prompt(4, 4, layout)
+    save_prompt(store, tokens)
+    save_prompt(store, prompt(5, 4, layout))
+    store.close()
+    again = make_store(l1=4, l2=0, l3=16)
+    m = again.lookup(tokens)
+    assert m.tiers == [L3] * 4
+    check_loaded_into_l1(again, m, load_into_l1(again, m)[1])
+
+
+def test_pinned_blocks_are_not_evicted_and_l1_runs_out(make_store, layout):
+    store = make_store(l1=4, l2=4, l3=16)
+    tokens = prompt(6, 4, layout)
+    save_prompt(store, tokens)
+    m = store.lookup(tokens)
+    with pytest.raises(OutOfBlocks, match=r"^l1: "):
+        store.allocate(1)
+    store.release(m)
+    store.release(m)  # idempotent
+    assert len(store.allocate(2)) == 2
+    assert store.lookup(tokens, pin=False).tiers == [L1, L1, L2, L2]
+
+
+def test_save_of_a_block_already_in_l1_is_not_adopted(make_store, layout):
+    store = make_store(l1=8, l2=0, l3=0)
+    tokens = prompt(8, 2, layout)
+    save_prompt(store, tokens)
+    keys = store.hash(tokens)
+    slots = store.allocate(2)
+    m = store.lookup(tokens)
+    assert store.save(keys, slots, 0, m) == [False, False]
+    store.free(slots)
+    store.release(m)
+    assert store.l1.num_free == 6
+
+
+def flip(path, offset: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ 0xFF]))
+
+
+def l3_slots(store) -> dict[bytes, int]:
+    return {r.key: r.slot for r in store.l3.records()}
+
+
+def test_corrupt_l3_blocks_are_counted_misses_never_wrong_bytes(make_store, layout):
+    store = make_store(l1=4, l2=0, l3=16)
+    prompts = [prompt(10 + i, 4, layout) for i in range(3)]
+    for p in prompts:
+        save_prompt(store, p)          # the first two end up in L3
+    slots = l3_slots(store)
+    gen = torch.Generator().manual_seed(0)
+    victims = {0: 2, 1: 0}             # prompt -> block to damage
+    for p, b in victims.items():
+        key = store.hash(prompts[p])[b]
+        for _ in range(3):
+            off = int(torch.randint(0, layout.block_bytes, (1,), generator=gen))
+            flip(store.l3.path / "slots.bin", slots[key] * store.l3.stride + off)
+    for p, b in victims.items():
+        m = store.lookup(prompts[p])
+        assert m.tiers == [L3] * 4
+        dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in m.to_load]
+        result = store.load(m, dst).wait(30)
+        assert result.num_ok == b and result.ok[b] is False
+        for i, flag in enumerate(result.ok):
+            if flag:
+                assert same_bytes(dst[i], block_for(m.keys[i], layout))
+        store.release(m)
+        assert store.lookup(prompts[p], pin=False).num_blocks == b
+    stats = store.stats()
+    assert stats["corrupt"] == {"l3": 2} and stats["failures"] == {"l3_corrupt": 2}
+
+
+def test_truncated_slot_file_is_counted_misses_open_and_after_reopen(make_store, layout, l3_dir):
+    store = make_store(l1=4, l2=0, l3=16)
+    prompts = [prompt(20 + i, 4, layout) for i in range(3)]
+    for p in prompts:
+        save_prompt(store, p)
+    slots = l3_slots(store)
+    cut = 2
+    os.truncate(l3_dir / "slots.bin", cut * store.l3.stride)
+    expected_bad = sum(s >= cut for s in slots.values())
+    assert expected_bad == 6
+    for p in prompts[:2]:
+        m = store.lookup(p)
+        slots_l1, result = load_into_l1(store, m)
+        assert result.num_ok == next((i for i, k in enumerate(m.keys) if slots[k] >= cut), 4)
+        for i in range(result.num_ok):
+            assert same_bytes(store.l1.block(m.entries[i].l1_slot), block_for(m.keys[i], layout))
+        store.free([s for j, s in enumerate(slots_l1) if not result.adopted[m.to_load[j]]])
+        store.release(m)
+    assert store.stats()["corrupt"]["l3"] >= 1
+    store.close()
+    # A fresh store on the damaged directory: grown back with zeros, every damaged block a miss.
+    os.truncate(l3_dir / "slots.bin", 4096 + 17)
+    again = make_store(l1=4, l2=0, l3=16)
+    for p in prompts:
+        m = again.lookup(p)
+        dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in m.to_load]
+        result = again.load(m, dst).wait(30)
+        for i in range(result.num_ok):
+            assert same_bytes(dst[i], block_for(m.keys[i], layout))
+        again.release(m)
+    assert again.stats()["failures"].get("l3_corrupt", 0) >= 1
+
+
+@pytest.fixture
+def tmpfs_dir(tmp_path):
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_full_disk_keeps_serving_from_l1_and_l2(make_store, layout, tmpfs_dir):
+    store = make_store(l1=4, l2=4, l3=1024, path=tmpfs_dir / "l3")  # 4 MiB of slots on a 1 MiB disk
+    prompts = [prompt(100 + i, 4, layout) for i in range(80)]
+    for p in prompts:
+        save_prompt(store, p)
+    stats = store.stats()
+    assert stats["failures"].get("l3_full", 0) > 0
+    assert stats["usage"]["l3"][0] < 256
+    # The newest prompts are still served from L1 and L2, byte for byte.
+    for p, tier in ((prompts[-1], L1), (prompts[-2], L2)):
+        m = store.lookup(p)
+        assert m.tiers == [tier] * 4
+        check_loaded_into_l1(store, m, load_into_l1(store, m)[1])
+        store.release(m)
+    # Whatever else still matches is correct; the rest is a miss, never an exception.
+    served = 0
+    for p in prompts[:-2]:
+        m = store.lookup(p)
+        dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in m.to_load]
+        result = store.load(m, dst).wait(30)
+        for j, i in enumerate(m.to_load):
+            if result.ok[i]:
+                assert same_bytes(dst[j], block_for(m.keys[i], layout))
+        served += result.num_ok
+        store.release(m)
+    assert served > 0
+
+
+def test_stats_and_prometheus_exposition(make_store, layout):
+    store = make_store(l1=4, l2=4, l3=16)
+    prompts = three_prompts_in_three_tiers(store)
+    assert store.stats()["lookups"] == 3 and store.stats()["misses"] == 12 and store.stats()["hits"] == {}
+    m = store.lookup(prompts["A"] + [1] * layout.block_size)
+    load_into_l1(store, m)
+    store.release(m)
+    stats = store.stats()
+    assert stats["lookups"] == 4 and stats["hits"] == {"l3": 4} and stats["misses"] == 13
+    assert stats["evictions"]["l1"] >= 8 and stats["evictions"]["l2"] >= 4
+    assert stats["load_count"] == 1 and stats["block_bytes"] == layout.block_bytes
+    text = store.metrics.exposition().decode()
+    assert 'tierkv_hits_total{tier="l3"} 4.0' in text
+    assert "tierkv_misses_total 13.0" in text
+    assert "tierkv_load_seconds_count 1.0" in text
