@@ -150,7 +150,7 @@ class L4Config:
 class PolicyConfig:
     """Eviction policy by name, the write policy, and reuse decay (half-life in lookups)."""
 
-    name: str = "lru"
+    name: str = "cost_aware"
     write: str = "write_back"
     half_life: float = 2000.0
 
@@ -185,17 +185,29 @@ class HashingConfig:
 
 @dataclass(frozen=True)
 class CostConfig:
-    """Cost model figures in µs per token; 0 means 'calibrate or use the built-in estimate'."""
+    """Cost model figures in µs per token; 0 means 'calibrate or use the built-in estimate'.
+
+    ``recompute_growth`` is the relative extra recompute cost per token of
+    context (attention); negative means 'calibrate or use the built-in
+    estimate'. ``calibrate`` measures tier bandwidths when the store starts.
+    """
 
     recompute_us_per_token: float = 0.0
     l1_us_per_token: float = 0.0
     l2_us_per_token: float = 0.0
     l3_us_per_token: float = 0.0
     l4_us_per_token: float = 0.0
+    recompute_growth: float = -1.0
+    calibrate: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
-            _check_float(getattr(self, f.name), f"cost.{f.name}", 0.0)
+            if f.name.endswith("_per_token"):
+                _check_float(getattr(self, f.name), f"cost.{f.name}", 0.0)
+        growth = self.recompute_growth
+        if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not -float("inf") < growth < float("inf"):
+            raise ValueError(f"cost.recompute_growth: expected a finite number (< 0 for the estimate), got {growth!r}")
+        _check_bool(self.calibrate, "cost.calibrate")
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,9 @@ class PrefixIndex:
         # parent cached again is still an inner block, not an eviction candidate.
         self._uncached_parents: dict[bytes, Entry] = {}
         self.policies = list(policies)
+        for policy in self.policies:
+            if policy is not None:
+                policy.bind(self)
         self.counts = [0, 0, 0]
         self.clock = 0
         self._decay = 0.5 ** (1.0 / half_life)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierkv.config import StoreConfig
-from tierkv.cost import CostModel
+from tierkv.cost import CostModel, calibrate
 from tierkv.hashing import BlockHash, BlockHasher
 from tierkv.index import LOCAL_TIERS, Entry, PrefixIndex, Tier
 from tierkv.layout import KVLayout
@@ -100,11 +100,15 @@ class TierKVStore:
             self.l3 = DiskTier(cfg.l3.path, layout, n3, meta, cfg.l3.direct_io, self._on_failure)
         self.l4 = self._open_remote() if cfg.l4.url else None
         self._tiers = [self.l1, self.l2, self.l3]
-        policies = [make_policy(cfg.policy.name, t) if self._tiers[t] is not None else None
+        device = self.l1.device if self.l1 is not None else torch.device("cpu")
+        measured = calibrate(layout.block_bytes, layout.block_size, device=str(device),
+                             disk_dir=cfg.l3.path if self.l3 is not None else None) if cfg.cost.calibrate else None
+        self.cost = CostModel.from_config(cfg.cost, layout.block_bytes, layout.block_size, measured)
+        policies = [make_policy(cfg.policy.name, t, cost=self.cost, lower=self._lower(t),
+                                half_life=cfg.policy.half_life) if self._tiers[t] is not None else None
                     for t in LOCAL_TIERS]
         self.index = PrefixIndex(policies, cfg.policy.half_life)
-        self.cost = CostModel.from_config(cfg.cost, layout.block_bytes, layout.block_size)
-        device = self.l1.device if self.l1 is not None else torch.device("cpu")
+        self._persisting: set[bytes] = set()
         self.transfer = TransferEngine(device)
         self._scratch = torch.empty(layout.block_shape, dtype=layout.torch_dtype)
         if self.l3 is not None:
@@ -177,6 +181,9 @@ class TierKVStore:
                 self.index.pin(local)
                 m.pinned = list(local)
             self.index.touch(local)
+            if self.config.policy.write == "write_through_selective":
+                # freq > 1 only after a block's second hit (each hit adds 1, decay keeps the rest > 0).
+                self._persist_async([e for e in local if e.freq > 1.0])
         self.metrics.count_lookup(tiers, len(keys) - len(tiers))
         return m
 
@@ -387,6 +394,7 @@ class TierKVStore:
         the caller keeps its private slot. Returns adopted per slot.
         """
         out = []
+        adopted: list[Entry] = []
         with self._lock:
             for j, slot in enumerate(slots):
                 i = start + j
@@ -401,7 +409,48 @@ class TierKVStore:
                 if match is not None:
                     match.pinned.append(entry)
                 out.append(True)
+                adopted.append(entry)
+            if self.config.policy.write == "write_through":
+                self._persist_async(adopted)
         return out
+
+    # -- write policies -------------------------------------------------------
+
+    def _persist_targets(self, entry: Entry) -> list[int]:
+        """Local tiers below the fastest one holding ``entry`` that lack it (L2, L3)."""
+        return [t for t in LOCAL_TIERS if t > entry.best and self._tiers[t] is not None and not entry.in_tier(t)]
+
+    def _persist_async(self, entries: Sequence[Entry]) -> None:
+        """Copy ``entries`` down to L2/L3 on the IO thread (write_through, write_through_selective).
+
+        Caller holds the lock. Each entry is pinned until its copy has landed,
+        so its source slot cannot be evicted or reused meanwhile.
+        """
+        todo = [e for e in entries if e.key not in self._persisting and self._persist_targets(e)]
+        if not todo:
+            return
+        self.index.pin(todo)
+        self._persisting.update(e.key for e in todo)
+        self.transfer.io(self._persist, todo)
+
+    def _persist(self, entries: list[Entry]) -> None:
+        try:
+            for entry in entries:
+                with self._lock:
+                    for tier in self._persist_targets(entry):
+                        src = self._block_view(entry, entry.best)
+                        if src is None:
+                            break
+                        self.transfer.d2h_sync()
+                        self._put_lower(entry, tier, src)
+        finally:
+            with self._lock:
+                self.index.unpin(entries)
+                self._persisting.difference_update(e.key for e in entries)
+
+    def flush(self) -> None:
+        """Block until every write-through copy queued so far has landed. Thread-safe."""
+        self.transfer.io(lambda: None).result()
 
     def persist(self, keys: Sequence[BlockHash], tier: int = Tier.L3) -> int:
         """Copy the cached blocks of the chain ``keys`` into ``tier`` (L2, L3 or L4) where it lacks them.

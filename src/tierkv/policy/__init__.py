@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 from tierkv.policy.base import EvictionPolicy, HeapPolicy
+from tierkv.policy.cost_aware import CostAwarePolicy
+from tierkv.policy.lfu import LFUPolicy
 from tierkv.policy.lru import LRUPolicy
 
-POLICIES: dict[str, type[EvictionPolicy]] = {"lru": LRUPolicy}
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    "cost_aware": CostAwarePolicy,
+    "lfu": LFUPolicy,
+    "lru": LRUPolicy,
+}
+DEFAULT_POLICY = "cost_aware"
 
 
-def make_policy(name: str, tier: int, **kwargs) -> EvictionPolicy:
-    """A policy instance for ``tier`` by name; unknown names fail naming the allowed ones."""
+def make_policy(name: str, tier: int, **context) -> EvictionPolicy:
+    """A policy instance for ``tier`` by name; unknown names fail naming the allowed ones.
+
+    ``context`` may carry ``cost`` (a CostModel), ``lower`` (the tier a victim
+    demotes to, or None) and ``half_life`` (the index's decay, in lookups);
+    each policy takes what it needs and ignores the rest.
+    """
     try:
         cls = POLICIES[name]
     except KeyError:
         raise ValueError(f"policy.name: expected one of {sorted(POLICIES)}, got {name!r}") from None
-    return cls(tier, **kwargs)
+    return cls(tier, **context)
 
 
-__all__ = ["EvictionPolicy", "HeapPolicy", "LRUPolicy", "POLICIES", "make_policy"]
+__all__ = ["CostAwarePolicy", "DEFAULT_POLICY", "EvictionPolicy", "HeapPolicy", "LFUPolicy", "LRUPolicy",
+           "POLICIES", "make_policy"]

@@ -12,7 +12,7 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 
-from tierkv.index import Entry
+from tierkv.index import Entry, PrefixIndex
 
 
 class EvictionPolicy(ABC):
@@ -22,6 +22,11 @@ class EvictionPolicy(ABC):
 
     def __init__(self, tier: int) -> None:
         self.tier = tier
+        self.index: PrefixIndex | None = None
+
+    def bind(self, index: PrefixIndex) -> None:
+        """Called once by the index that lists into this policy (gives access to its clock)."""
+        self.index = index
 
     @abstractmethod
     def add(self, entry: Entry) -> None: ...
@@ -71,6 +76,14 @@ class HeapPolicy(EvictionPolicy):
     def touch(self, entry: Entry) -> None:
         self.discard(entry)
         self.add(entry)
+
+    def rekey(self) -> None:
+        """Recompute every listed block's priority (after a change that moves all keys). O(n)."""
+        live = [item for item in self._heap if item[2] is not None]
+        for item in live:
+            item[0] = self.priority(item[2])
+        heapq.heapify(live)
+        self._heap = live
 
     def pop(self) -> Entry | None:
         heap = self._heap

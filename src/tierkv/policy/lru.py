@@ -9,5 +9,8 @@ from tierkv.policy.base import HeapPolicy
 class LRUPolicy(HeapPolicy):
     name = "lru"
 
+    def __init__(self, tier: int, **_context) -> None:
+        super().__init__(tier)
+
     def priority(self, entry: Entry):
         return entry.last_access

@@ -1,0 +1,193 @@
+"""Eviction policies on small hand-built trees: exact eviction order for cost_aware, lfu, lru."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tierkv.config import PolicyConfig
+from tierkv.cost import CostModel
+from tierkv.index import PrefixIndex, Tier
+from tierkv.policy import POLICIES, CostAwarePolicy, LFUPolicy, LRUPolicy, make_policy
+
+L1, L2 = Tier.L1, Tier.L2
+
+
+def k(name: str) -> bytes:
+    return name.encode().ljust(16, b".")
+
+
+def index_with(policy_name: str, **context) -> PrefixIndex:
+    return PrefixIndex([make_policy(policy_name, t, **context) for t in (L1, L2, Tier.L3)])
+
+
+def chain(index: PrefixIndex, names: str, tier: int = L1, parent: str | None = None, depth: int = 0) -> None:
+    prev = k(parent) if parent else None
+    for i, name in enumerate(names):
+        index.add(k(name), prev, depth + i, tier)
+        prev = k(name)
+
+
+def use(index: PrefixIndex, names: str) -> None:
+    """One lookup that hits the blocks named by ``names``."""
+    index.touch([index.get(k(n)) for n in names])
+
+
+def drain(index: PrefixIndex, tier: int = L1) -> list[str]:
+    out = []
+    while (entry := index.victim(tier)) is not None:
+        out.append(entry.key.rstrip(b".").decode())
+        index.drop(entry.key, tier)
+    return out
+
+
+def test_registry_names_and_default():
+    assert sorted(POLICIES) == ["cost_aware", "lfu", "lru"]
+    assert PolicyConfig().name == "cost_aware"
+    assert isinstance(make_policy("cost_aware", L1), CostAwarePolicy)
+    assert isinstance(make_policy("lfu", L1, half_life=10.0), LFUPolicy)
+    assert isinstance(make_policy("lru", L1, cost=None, lower=None), LRUPolicy)
+    with pytest.raises(ValueError, match=r"^policy\.name: expected one of \['cost_aware', 'lfu', 'lru'\], got 'mru'"):
+        make_policy("mru", L1)
+    with pytest.raises(ValueError, match=r"^policy\.reuse_exponent: expected > 0"):
+        CostAwarePolicy(L1, reuse_exponent=0.0)
+
+
+@pytest.mark.parametrize("name", ["cost_aware", "lfu", "lru"])
+def test_every_policy_evicts_leaves_first_and_never_pinned(name):
+    index = index_with(name)
+    chain(index, "abc")
+    chain(index, "de", parent="a", depth=1)
+    use(index, "abcde")
+    index.pin([index.get(k("c"))])
+    order = drain(index)
+    assert "c" not in order and "b" not in order and "a" not in order  # c pinned keeps b and a inner
+    assert order.index("e") < order.index("d")
+    index.unpin([index.get(k("c"))])
+    assert drain(index) == ["c", "b", "a"]
+
+
+def test_deep_expensive_leaf_outlives_shallow_cheap_one_at_equal_reuse():
+    index = index_with("cost_aware")  # abstract units: a block at depth d costs 1 + 0.5 d
+    chain(index, "a")       # leaf at depth 0
+    chain(index, "bcd")     # leaf d at depth 2
+    chain(index, "ef")      # leaf f at depth 1
+    use(index, "abcdef")    # one use each, at the same time
+    # a (cost 1) first; then f (1.5) before d (2); e (1) becomes a leaf and goes
+    # before d; then the deep chain unwinds from its tail: d, c, b.
+    assert drain(index) == ["a", "f", "e", "d", "c", "b"]
+
+
+def test_more_reuse_beats_more_depth_only_up_to_the_cost_ratio():
+    index = index_with("cost_aware")
+    chain(index, "a")       # depth 0, cost 1
+    chain(index, "bc")      # leaf c at depth 1, cost 1.5
+    use(index, "abc")
+    use(index, "a")         # a: reuse 1 + 1.999 ~ 3 uses, worth 3 > 1.5 * 2
+    use(index, "a")
+    assert drain(index) == ["c", "b", "a"]
+
+
+def test_recency_wins_over_cost_in_the_long_run():
+    index = index_with("cost_aware")
+    chain(index, "bcd")     # leaf d at depth 2 (cost 2), used at clock 1
+    use(index, "bcd")
+    for _ in range(10):     # ten lookups that hit nothing else
+        use(index, "")
+    chain(index, "a")       # a fresh shallow block, used now
+    use(index, "a")
+    assert drain(index)[0] == "d"
+
+
+def test_a_cheap_reload_from_the_tier_below_makes_depth_irrelevant():
+    # L2 reloads cost 0.1 units/block, far below any recompute: keeping a block in
+    # L1 saves the same 0.1 at every depth, so L1 evicts by recency alone.
+    cost = CostModel((0.0, 0.1 / 512, 0.0, 0.0), 1.0 / 512, 0.5 / 512, 512, 1)
+    index = index_with("cost_aware", cost=cost, lower=L2)
+    chain(index, "bcd")
+    chain(index, "a")
+    use(index, "bcd")
+    use(index, "a")
+    assert drain(index) == ["d", "c", "b", "a"]
+    index = index_with("cost_aware", cost=cost, lower=None)  # nothing below: depth counts
+    chain(index, "bcd")
+    chain(index, "a")
+    use(index, "bcd")
+    use(index, "a")
+    assert drain(index)[0] == "a"
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_cost_aware_is_exactly_lru_when_all_blocks_are_worth_the_same(seed):
+    # One depth, and rounds in which every block is used once (in a random order,
+    # one block per lookup, no decay): equal worth everywhere, so recency decides.
+    rng = random.Random(seed)
+    a = PrefixIndex([make_policy("cost_aware", t) for t in (L1, L2, Tier.L3)], half_life=1e12)
+    b = PrefixIndex([make_policy("lru", t) for t in (L1, L2, Tier.L3)], half_life=1e12)
+    names = [chr(ord("A") + i) for i in range(40)]
+    for index in (a, b):
+        for n in names:
+            chain(index, n)
+    for _ in range(5):
+        for n in rng.sample(names, len(names)):
+            for index in (a, b):
+                use(index, n)
+    order = drain(a)
+    assert order == drain(b) and len(order) == 40
+
+
+def test_threshold_rekeys_are_amortised_over_evictions():
+    index = index_with("cost_aware")
+    policy = index.policies[L1]
+    rng = random.Random(7)
+    evictions = 0
+    for i in range(5000):
+        depth = rng.randrange(8)
+        prev = None
+        for d in range(depth + 1):
+            key = k(f"{i}.{d}")
+            index.add(key, prev, d, L1)
+            prev = key
+        index.touch([index.get(k(f"{i}.{d}")) for d in range(depth + 1)])
+        while index.counts[L1] > 500:
+            entry = index.victim(L1)
+            index.drop(entry.key, L1)
+            evictions += 1
+    assert index.counts[L1] == 500 and evictions > 10_000
+    # O(n) re-keys cost, over the run, at most a few key computations per eviction.
+    assert policy.rekeyed < 3 * evictions, (policy.rekeys, policy.rekeyed, evictions)
+
+
+def test_lfu_keeps_the_more_used_leaf_and_breaks_ties_by_age():
+    index = index_with("lfu", half_life=100.0)
+    chain(index, "a")
+    chain(index, "b")
+    chain(index, "c")
+    use(index, "abc")
+    use(index, "b")
+    use(index, "b")
+    use(index, "c")
+    assert drain(index) == ["a", "c", "b"]
+
+
+def test_lfu_forgets_old_uses_by_the_half_life():
+    index = index_with("lfu", half_life=1.0)
+    chain(index, "a")
+    chain(index, "b")
+    for _ in range(4):
+        use(index, "a")       # a: 4 uses long ago
+    for _ in range(12):
+        use(index, "")
+    use(index, "b")           # b: one use now outweighs a's decayed count
+    assert drain(index) == ["a", "b"]
+
+
+def test_lru_order_is_plain_recency():
+    index = index_with("lru")
+    chain(index, "a")
+    chain(index, "bcd")
+    use(index, "a")
+    use(index, "bcd")
+    use(index, "a")
+    assert drain(index) == ["d", "c", "b", "a"]

@@ -1,0 +1,331 @@
+"""Replay a Mooncake-format trace through tierkv's own index and eviction policies.
+
+Each JSONL line has ``timestamp``, ``input_length``, ``output_length`` and
+``hash_ids`` (one id per 512-token block, ids chained so equal ids mean equal
+prefixes). Requests run in file order. Tiers are accounting-only: the real
+``PrefixIndex`` and policy objects decide, capacities are tracked in blocks,
+no bytes move. Per request:
+
+1. block i is a hit only if blocks 0..i are all cached at lookup time (the
+   index's longest-prefix match; in multi-tier mode cut by the cost model);
+2. all its blocks are inserted into (or promoted to) the top tier and touched,
+   and pinned while the request runs;
+3. each tier is trimmed back to capacity; a victim demotes one tier down
+   unless that tier already holds it (the store's write-back rule); then the
+   request's pins are released.
+
+Metrics: ``hit_rate`` = hit blocks / all blocks; ``saved_cost`` = Σ cost of hit
+blocks / Σ cost of all blocks, a block at depth d costing ``1 + depth_weight·d``.
+In multi-tier mode (``--tiers l1=1000,l2=10000,l3=100000``) it also reports hits
+per tier and the cost model's estimated prefill time saved.
+
+    python tools/replay.py TRACE --capacity 1000,3000,10000,30000 \\
+        --policy lru,lfu,cost_aware --json OUT.json --plot OUT.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+if __package__ in (None, ""):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from tierkv.cost import CostModel  # noqa: E402
+from tierkv.index import LOCAL_TIERS, PrefixIndex, Tier  # noqa: E402
+from tierkv.policy import POLICIES, make_policy  # noqa: E402
+
+BLOCK_TOKENS = 512
+TIER_NAMES = ("l1", "l2", "l3")
+# Reference model for the multi-tier time estimate: a Llama-3-8B-like fp16
+# layout (32 layers x 8 KV heads x 128 dims x K,V x 2 bytes = 128 KiB per token).
+REF_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
+
+
+@dataclass
+class ReplayResult:
+    policy: str
+    capacity: int
+    hit_rate: float
+    saved_cost: float
+    accesses: int
+    seconds: float
+    tiers: dict[str, int] = field(default_factory=dict)
+    hits_per_tier: dict[str, int] = field(default_factory=dict)
+    est_saved_prefill_s: float | None = None
+    est_total_prefill_s: float | None = None
+    evictions: dict[str, int] = field(default_factory=dict)
+
+
+def load_trace(path: str | Path) -> list[list[bytes]]:
+    """The trace's requests as chains of block keys (hash ids as 8-byte little-endian keys)."""
+    requests = []
+    with open(path) as fh:
+        for n, line in enumerate(fh, 1):
+            if not line.strip():
+                continue
+            try:
+                ids = json.loads(line)["hash_ids"]
+            except (ValueError, KeyError) as exc:
+                raise ValueError(f"{path}:{n}: expected a JSON object with 'hash_ids' ({exc})") from None
+            requests.append([int(i).to_bytes(8, "little", signed=True) for i in ids])
+    return requests
+
+
+class Replayer:
+    """The store's eviction decisions over accounting-only tiers (capacities in blocks)."""
+
+    def __init__(self, policy: str, capacities: Sequence[int], cost: CostModel, half_life: float) -> None:
+        self.capacities = list(capacities) + [0] * (len(LOCAL_TIERS) - len(capacities))
+        present = [t for t in LOCAL_TIERS if self.capacities[t] > 0]
+        self.lower = {t: next((u for u in present if u > t), None) for t in present}
+        policies = [make_policy(policy, t, cost=cost, lower=self.lower[t], half_life=half_life)
+                    if t in self.lower else None for t in LOCAL_TIERS]
+        self.index = PrefixIndex(policies, half_life)
+        self.cost = cost
+        self.evictions = [0, 0, 0]
+
+    def _evict(self, tier: int) -> bool:
+        index = self.index
+        entry = index.victim(tier)
+        if entry is None:
+            return False
+        lower = self.lower[tier]
+        if lower is not None and not entry.mask >> lower & 1:
+            self._make_room(lower)
+            index.add(entry.key, entry.parent, entry.depth, lower)
+        index.drop(entry.key, tier)
+        self.evictions[tier] += 1
+        return True
+
+    def _make_room(self, tier: int) -> None:
+        counts, cap = self.index.counts, self.capacities[tier]
+        while counts[tier] >= cap and self._evict(tier):
+            pass
+
+    def run(self, requests: list[list[bytes]], weights: list[float], multi: bool) -> tuple[list[int], float]:
+        """Replay; returns (hit blocks per tier, Σ weight of hit blocks). Only this loop is timed."""
+        index, cost = self.index, self.cost
+        match, get, add = index.match, index._entries.get, index.add
+        pin, unpin, touch = index.pin, index.unpin, index.touch
+        top = LOCAL_TIERS[0]
+        cap_top = self.capacities[top]
+        counts = index.counts
+        hits = [0, 0, 0]
+        saved = 0.0
+        for keys in requests:
+            tiers = match(keys)
+            if multi:
+                tiers = tiers[: cost.cut(tiers)]
+                for t in tiers:
+                    hits[t] += 1
+            else:
+                hits[top] += len(tiers)
+            saved += weights[len(tiers)]
+            # As the store does: the lookup pins and touches the blocks it found,
+            # then the request's blocks are saved into (or promoted to) the top tier.
+            entries = [get(key) for key in keys[: len(tiers)]]
+            pin(entries)
+            touch(entries)
+            parent = None
+            fresh = []
+            for depth, key in enumerate(keys):
+                entry = get(key)
+                if entry is None or not entry.mask & 1:
+                    entry = add(key, parent, depth, top)
+                    if entry.ref_count == 0:
+                        fresh.append(entry)
+                parent = key
+            pin(fresh)
+            entries += fresh
+            while counts[top] > cap_top and self._evict(top):
+                pass
+            unpin(entries)
+            while counts[top] > cap_top and self._evict(top):  # a request larger than the tier
+                pass
+        return hits, saved
+
+
+def replay(requests: list[list[bytes]], policy: str, capacities: Sequence[int], depth_weight: float = 0.5,
+           half_life: float = 2000.0, cost: CostModel | None = None) -> ReplayResult:
+    """Replay ``requests`` with ``policy`` over tiers of ``capacities`` blocks (L1, L2, L3)."""
+    multi = len([c for c in capacities if c > 0]) > 1
+    units = CostModel.units(depth_weight, BLOCK_TOKENS)
+    model = cost if cost is not None else units
+    longest = max((len(r) for r in requests), default=0)
+    prefix = [0.0]
+    for d in range(longest):
+        prefix.append(prefix[-1] + 1.0 + depth_weight * d)
+    total = sum(prefix[len(r)] for r in requests)
+    accesses = sum(len(r) for r in requests)
+    sim = Replayer(policy, capacities, model, half_life)
+    start = time.perf_counter()
+    hits, saved = sim.run(requests, prefix, multi)
+    seconds = time.perf_counter() - start
+    names = TIER_NAMES[: len(capacities)]
+    result = ReplayResult(
+        policy=policy, capacity=int(capacities[0]), hit_rate=sum(hits) / max(accesses, 1),
+        saved_cost=saved / max(total, 1e-12), accesses=accesses, seconds=seconds,
+        tiers={n: int(c) for n, c in zip(names, capacities)},
+        evictions={n: sim.evictions[t] for t, n in enumerate(names)},
+    )
+    if multi:
+        result.hits_per_tier = {n: hits[t] for t, n in enumerate(names)}
+        result.est_saved_prefill_s, result.est_total_prefill_s = _estimate_seconds(requests, sim, model, policy,
+                                                                                  capacities, half_life)
+    return result
+
+
+def _estimate_seconds(requests, sim, model, policy, capacities, half_life) -> tuple[float, float]:
+    """Rerun (untimed) to add up the cost model's saved prefill time per request's cut match."""
+    again = Replayer(policy, capacities, model, half_life)
+    saved_us = 0.0
+    index = again.index
+    orig_match = index.match
+
+    def counting_match(keys):
+        nonlocal saved_us
+        tiers = orig_match(keys)
+        saved_us += model.saved_us(tiers[: model.cut(tiers)])
+        return tiers
+
+    index.match = counting_match
+    again.run(requests, [0.0] * (max(len(r) for r in requests) + 1), True)
+    total_us = sum(model.recompute_block_us(d) for r in requests for d in range(len(r)))
+    return saved_us / 1e6, total_us / 1e6
+
+
+def reference_cost(depth_weight: float, recompute_us: float, gbps: Sequence[float]) -> CostModel:
+    """µs costs for the multi-tier estimate: the reference layout's bytes over tier bandwidths."""
+    load = (0.0, *(REF_BYTES_PER_TOKEN / (g * 1e3) for g in gbps), 0.0)
+    return CostModel(load[:4], recompute_us, depth_weight / BLOCK_TOKENS, BLOCK_TOKENS,
+                     REF_BYTES_PER_TOKEN * BLOCK_TOKENS)
+
+
+# -- command line ---------------------------------------------------------------
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated block counts, got {text!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected block counts >= 1, got {text!r}")
+    return out
+
+
+def _tiers(text: str) -> list[int]:
+    caps = {}
+    for part in text.split(","):
+        name, _, value = part.partition("=")
+        if name.strip() not in TIER_NAMES or not value.strip().isdigit():
+            raise argparse.ArgumentTypeError(f"expected tiers like l1=1000,l2=10000,l3=100000, got {text!r}")
+        caps[name.strip()] = int(value)
+    if "l1" not in caps:
+        raise argparse.ArgumentTypeError(f"--tiers needs l1, got {text!r}")
+    return [caps.get(n, 0) for n in TIER_NAMES]
+
+
+def _policies(text: str) -> list[str]:
+    names = [p.strip() for p in text.split(",") if p.strip()]
+    bad = [p for p in names if p not in POLICIES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"expected policies from {sorted(POLICIES)}, got {text!r}")
+    return names
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Replay a Mooncake JSONL trace through tierkv's index and policies.")
+    p.add_argument("trace", help="JSONL trace (timestamp, input_length, output_length, hash_ids)")
+    p.add_argument("--capacity", type=_ints, default=None, help="single-tier capacities in blocks, e.g. 1000,3000")
+    p.add_argument("--tiers", type=_tiers, default=None, help="multi-tier capacities, e.g. l1=1000,l2=10000,l3=100000")
+    p.add_argument("--policy", type=_policies, default=["lru", "lfu", "cost_aware"], help="comma-separated policies")
+    p.add_argument("--depth-weight", type=float, default=0.5, help="a block at depth d costs 1 + W*d (default 0.5)")
+    p.add_argument("--half-life", type=float, default=2000.0, help="reuse decay half-life in lookups")
+    p.add_argument("--recompute-us", type=float, default=100.0, help="multi-tier: prefill µs/token at depth 0")
+    p.add_argument("--gbps", default="5,1", help="multi-tier: L2,L3 load bandwidth in GB/s (reference layout)")
+    p.add_argument("--json", dest="json_out", default=None, help="write results here")
+    p.add_argument("--plot", default=None, help="draw hit rate and saved cost against capacity (PNG)")
+    args = p.parse_args(argv)
+    if args.capacity is None and args.tiers is None:
+        args.capacity = [1000, 3000, 10000, 30000]
+    if args.depth_weight < 0 or args.half_life <= 0:
+        p.error("--depth-weight must be >= 0 and --half-life > 0")
+    return args
+
+
+def _print_table(results: list[ReplayResult], rate: float) -> None:
+    single = [r for r in results if len([c for c in r.tiers.values() if c]) == 1]
+    multi = [r for r in results if r not in single]
+    if single:
+        print(f"{'policy':<12}{'capacity':>10}{'hit rate':>10}{'saved cost':>12}{'vs lru':>8}")
+        lru = {r.capacity: r.saved_cost for r in single if r.policy == "lru"}
+        for r in single:
+            ratio = f"{r.saved_cost / lru[r.capacity]:.2f}x" if lru.get(r.capacity) else "-"
+            print(f"{r.policy:<12}{r.capacity:>10}{r.hit_rate:>10.1%}{r.saved_cost:>12.1%}{ratio:>8}")
+    for r in multi:
+        tiers = ",".join(f"{k}={v}" for k, v in r.tiers.items())
+        per = " ".join(f"{k}={v}" for k, v in r.hits_per_tier.items())
+        print(f"{r.policy:<12} [{tiers}] hit {r.hit_rate:.1%} saved cost {r.saved_cost:.1%} hits {per} "
+              f"est. prefill saved {r.est_saved_prefill_s:.1f} s of {r.est_total_prefill_s:.1f} s")
+    print(f"accesses/s: {rate:,.0f}")
+
+
+def plot(results: list[ReplayResult], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for policy in dict.fromkeys(r.policy for r in results):
+        rows = sorted((r for r in results if r.policy == policy), key=lambda r: r.capacity)
+        caps = [r.capacity for r in rows]
+        axes[0].plot(caps, [100 * r.hit_rate for r in rows], marker="o", label=policy)
+        axes[1].plot(caps, [100 * r.saved_cost for r in rows], marker="o", label=policy)
+    for ax, name in zip(axes, ("hit rate (%)", "saved prefill cost (%)")):
+        ax.set_xscale("log")
+        ax.set_xlabel("capacity (blocks of 512 tokens)")
+        ax.set_ylabel(name)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    requests = load_trace(args.trace)
+    results: list[ReplayResult] = []
+    for policy in args.policy:
+        for cap in args.capacity or []:
+            results.append(replay(requests, policy, [cap], args.depth_weight, args.half_life))
+    if args.tiers is not None:
+        gbps = [float(g) for g in args.gbps.split(",")]
+        model = reference_cost(args.depth_weight, args.recompute_us, gbps)
+        for policy in args.policy:
+            results.append(replay(requests, policy, args.tiers, args.depth_weight, args.half_life, model))
+    accesses = sum(r.accesses for r in results)
+    seconds = sum(r.seconds for r in results)
+    rate = accesses / seconds if seconds > 0 else 0.0
+    _print_table(results, rate)
+    if args.json_out:
+        out = {"trace": str(args.trace), "depth_weight": args.depth_weight, "half_life": args.half_life,
+               "accesses_per_s": rate, "results": [asdict(r) for r in results]}
+        Path(args.json_out).write_text(json.dumps(out, indent=1))
+    if args.plot:
+        single = [r for r in results if len(r.tiers) == 1]
+        plot(single, args.plot, f"{Path(args.trace).name}: block size {BLOCK_TOKENS} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
