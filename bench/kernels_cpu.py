@@ -1,0 +1,102 @@
+"""CPU cost of the torch reference kernels (the CPU engine's attention path) against dense SDPA.
+
+Shapes are the ``small`` engine preset's (8 query heads, 2 KV heads, head_dim
+64, block size 16, fp32, 8 layers in the pool) on one thread. The floor for
+each case is ``scaled_dot_product_attention`` on K/V already contiguous per
+sequence (what the same attention costs with no paging), measured in the same
+run. Blocks are shuffled over the pool, as after a while of serving.
+
+decode      32 sequences of 144-767 tokens (fixed seed), one new token each
+prefill     one sequence of 512 new tokens, no cached prefix
+prefix      256 new tokens over a 512-token context (256 cached)
+write_kv    512 tokens into shuffled slots
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from _common import median_of, parser, print_table, write_json  # noqa: E402
+
+from tierkv.kernels.reference import paged_attention_ref, write_kv_ref  # noqa: E402
+
+HQ, HKV, D, B, LAYERS = 8, 2, 64, 16, 8
+
+
+def paged_batch(ctxs: list[int], q_lens: list[int], seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    need = [math.ceil(c / B) for c in ctxs]
+    n = sum(need) + 1
+    pool = torch.randn(n, LAYERS, 2, B, HKV, D, generator=gen)
+    order = torch.randperm(n, generator=gen)
+    tables = torch.zeros(len(ctxs), max(need), dtype=torch.int32)
+    used = 0
+    for s, k in enumerate(need):
+        tables[s, :k] = order[used : used + k].to(torch.int32)
+        used += k
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    return dict(q=torch.randn(starts[-1], HQ, D, generator=gen), pool=pool, layer=3, block_tables=tables,
+                context_lens=torch.tensor(ctxs, dtype=torch.int32),
+                query_start_loc=torch.tensor(starts, dtype=torch.int32), scale=D**-0.5)
+
+
+def dense_floor(ctxs: list[int], q_lens: list[int]):
+    """SDPA per sequence over contiguous K/V (decode: one padded batch, as the reference does)."""
+    g = HQ // HKV
+    if all(q == 1 for q in q_lens):
+        L = max(ctxs)
+        q = torch.randn(len(ctxs), HKV, g, D)
+        k, v = torch.randn(len(ctxs), HKV, L, D), torch.randn(len(ctxs), HKV, L, D)
+        mask = torch.arange(L)[None, :] < torch.tensor(ctxs)[:, None]
+        return lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :])
+    items = []
+    for c, ql in zip(ctxs, q_lens):
+        q = torch.randn(HKV, g, ql, D)
+        k, v = torch.randn(HKV, 1, c, D).expand(HKV, g, c, D), torch.randn(HKV, 1, c, D).expand(HKV, g, c, D)
+        mask = torch.arange(c)[None, :] <= torch.arange(c - ql, c)[:, None]
+        items.append((q, k, v, mask))
+    return lambda: [F.scaled_dot_product_attention(q, k, v, attn_mask=m) for q, k, v, m in items]
+
+
+def main() -> int:
+    args = parser(__doc__.splitlines()[0]).parse_args()
+    torch.set_num_threads(1)
+    reps = 5 if args.quick else 20
+    gen = torch.Generator().manual_seed(0)
+    decode_ctx = torch.randint(144, 768, (32,), generator=gen).tolist()
+    cases = {
+        "decode": (decode_ctx, [1] * 32),
+        "prefill": ([512], [512]),
+        "prefix": ([512], [256]),
+    }
+    rows, figures = [], {}
+    for name, (ctxs, q_lens) in cases.items():
+        batch = paged_batch(ctxs, q_lens)
+        paged_attention_ref(**batch)
+        ms = median_of(lambda: paged_attention_ref(**batch), reps) * 1e3
+        floor = dense_floor(ctxs, q_lens)
+        floor()
+        floor_ms = median_of(floor, reps) * 1e3
+        figures[name] = dict(ref_ms=ms, dense_sdpa_ms=floor_ms, ratio=ms / floor_ms)
+        rows.append((f"{name}_ref_ms", f"{ms:.2f}", f"dense SDPA {floor_ms:.2f} ms -> x{ms / floor_ms:.2f}"))
+    batch = paged_batch([4096], [1])
+    slots = torch.randperm(batch["pool"].shape[0] * B, generator=gen)[:512]
+    k, v = torch.randn(512, HKV, D), torch.randn(512, HKV, D)
+    ms = median_of(lambda: write_kv_ref(batch["pool"], 3, k, v, slots), reps) * 1e3
+    figures["write_kv"] = dict(ref_ms=ms, tokens=512)
+    rows.append(("write_kv_ref_ms", f"{ms:.3f}", "512 tokens, shuffled slots"))
+    print_table("torch reference kernels on CPU (small preset shapes, 1 thread)", rows)
+    write_json(args.json, dict(shape=dict(num_q_heads=HQ, num_kv_heads=HKV, head_dim=D, block_size=B,
+                                          dtype="float32", threads=1), **figures))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
