@@ -63,3 +63,12 @@ def populate(cache: Path, layout: KVLayout = LAYOUT, model_id: str = "m") -> dic
 @pytest.fixture
 def cache(tmp_path: Path) -> Path:
     return tmp_path / "cache"
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    """The seeded `tiny` checkpoint, written once per session through the real checkpoint writer."""
+    out = tmp_path_factory.mktemp("models") / "tiny"
+    subprocess.run([sys.executable, "-m", "tierkv.engine.checkpoint", str(out), "--preset", "tiny"],
+                   check=True, capture_output=True, timeout=120)
+    return out
