@@ -15,19 +15,27 @@ as long as the ``ceil(q_len / TOKENS)`` tiles it needs; the spare programs exit.
 Softmax is online (flash style) in fp32; fp32 inputs use IEEE dot products
 (no TF32), fp16/bf16 use the tensor cores with fp32 accumulation.
 
-Tuned constants (starting points chosen from the shapes, not yet measured on a
-GPU in this repository; ``bench/gpu_smoke.py`` measures them):
-  PREFILL_BLOCK_M = 64   query rows per program when any sequence has q_len > 1
-  DECODE_BLOCK_M  = 16   query rows per program when every sequence decodes
-                         (the smallest tile ``tl.dot`` takes; raised to GROUP_PAD)
-  BLOCK_N         = 64   context tokens per K/V tile for fp16/bf16 (any block_size:
-                         each token looks its block up in the block table)
-  BLOCK_N_FP32    = 32   the same for fp32: IEEE dots stage more shared memory;
-                         at head_dim 128 and 2 stages a program needs 74 KB with
-                         32 (fits sm_86/89's 99 KB) against 115 KB with 64
-                         (shared-memory sizes from compiling offline for
-                         sm_80/86/90 with triton 3.9)
-  NUM_WARPS       = 4, NUM_STAGES = 2
+Tuned constants. No GPU was available while writing this, so they were
+chosen by compiling offline for sm_90 (triton 3.9, its bundled ptxas) and
+reading registers, spills and shared memory per program (``cuobjdump
+--dump-resource-usage``); throughput is for ``bench/gpu_smoke.py`` to measure.
+Figures at head_dim 128, GQA 4:
+  decode (every sequence has q_len 1):
+    DECODE_BLOCK_M = 16, DECODE_BLOCK_N = 32, DECODE_WARPS = 4
+        138 registers, no spill, 13 KB shared; 64-token K/V tiles needed
+        255 registers and spilled (180 with 8 warps)
+  prefill or mixed batches:
+    PREFILL_BLOCK_M = 64, PREFILL_BLOCK_N = 64, PREFILL_WARPS = 8
+        189 registers, no spill, 48 KB shared; 4 warps hit 255 and spilled.
+        head_dim > 128 uses 32-token K/V tiles (235 registers at 256 vs a
+        spill with 64)
+  fp32 (tests, debugging) always uses 32-token K/V tiles: IEEE dot products
+        stage more shared memory (74 KB at 64 query rows, within sm_86/89's
+        99 KB; 115 KB with 64-token tiles) and spilled badly with 4 warps
+  NUM_STAGES = 2 (3 or 4 changed neither registers nor shared memory)
+BLOCK_M rows are raised to GROUP_PAD when the group is larger. K/V tiles may
+cross block boundaries: each token looks its block up in the block table, so
+any block_size works.
 """
 
 from __future__ import annotations
@@ -40,11 +48,13 @@ import triton.language as tl
 
 from tierkv.kernels.checks import check_paged_attention
 
-PREFILL_BLOCK_M = 64
 DECODE_BLOCK_M = 16
-BLOCK_N = 64
-BLOCK_N_FP32 = 32
-NUM_WARPS = 4
+DECODE_BLOCK_N = 32
+DECODE_WARPS = 4
+PREFILL_BLOCK_M = 64
+PREFILL_BLOCK_N = 64
+PREFILL_WARPS = 8
+SMALL_BLOCK_N = 32
 NUM_STAGES = 2
 
 
@@ -156,8 +166,13 @@ def paged_attention(
         return out
     group = num_q_heads // num_kv_heads
     group_pad = triton.next_power_of_2(group)
-    block_m = max(DECODE_BLOCK_M if num_tokens == num_seqs else PREFILL_BLOCK_M, group_pad)
-    block_n = BLOCK_N_FP32 if q.dtype == torch.float32 else BLOCK_N
+    if num_tokens == num_seqs:
+        block_m, block_n, num_warps = DECODE_BLOCK_M, DECODE_BLOCK_N, DECODE_WARPS
+    else:
+        block_m, block_n, num_warps = PREFILL_BLOCK_M, PREFILL_BLOCK_N, PREFILL_WARPS
+    if q.dtype == torch.float32 or head_dim > 128:
+        block_n = SMALL_BLOCK_N
+    block_m = max(block_m, group_pad)
     tokens_per_tile = block_m // group_pad
     grid = (num_tokens // tokens_per_tile + num_seqs, num_kv_heads)
     kv = pool[:, layer]
@@ -173,7 +188,7 @@ def paged_attention(
             BLOCK_SIZE=pool.shape[3], HEAD_DIM=head_dim, GROUP=group, GROUP_PAD=group_pad,
             BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
             BLOCK_S=triton.next_power_of_2(num_seqs + 1), IEEE=q.dtype == torch.float32,
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+            num_warps=num_warps, num_stages=NUM_STAGES,
         )
     return out
 
