@@ -1,6 +1,6 @@
 """Time to first token by tier of the cached prefix, against copy floors, and the cost of a miss.
 
-For each prompt length (small preset, block size 16, fp32, one thread):
+For each prompt length (small preset, block size 16, fp32 unless --dtype, one thread unless --threads):
 cold_ms      a never-seen prompt, store enabled and empty (prefill of everything)
 l1_ms        the same prompt again: all of it in L1 but the last block (recomputed for its logits)
 l2_ms        the same prompt with its prefix only in L2 (L1 flushed, demoted by write-back)
@@ -92,6 +92,7 @@ def main() -> None:
     p.add_argument("--dir", default=os.path.expanduser(os.environ.get("TIERKV_CACHE_DIR", "~/.cache/tierkv")),
                    help="a directory on the L3 filesystem for the benchmark's L3 (default: ~/.cache/tierkv)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--lengths", default="1024,4096")
     args = p.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
@@ -99,7 +100,8 @@ def main() -> None:
     model = checkpoint(args.model)
     work = Path(tempfile.mkdtemp(prefix="tierkv-ttft-", dir=Path(args.dir).mkdir(parents=True, exist_ok=True) or args.dir))
     blocks = max(lengths) // 16 * 2 + 64
-    engine = EngineConfig(num_blocks=blocks, max_num_batched_tokens=max(lengths), num_threads=args.threads)
+    engine = EngineConfig(num_blocks=blocks, max_num_batched_tokens=max(lengths), num_threads=args.threads,
+                          dtype=args.dtype)
     rng = random.Random(0)
 
     def fresh(n: int) -> list[int]:
@@ -150,8 +152,8 @@ def main() -> None:
             (f"{n} miss_ms", f"{r['miss_ms']:.1f}", f"miss/nocache = {r['miss_ms'] / r['nocache_ms']:.3f} (<= 1.05)"),
             (f"{n} nocache_ms", f"{r['nocache_ms']:.1f}", f"min of {reps}"),
         ]
-    print_table(f"time to first token, small preset, {args.threads} thread(s)", table)
-    write_json(args.json, {"rows": rows, "threads": args.threads, "reps": reps, "model": "small",
+    print_table(f"time to first token, small preset, {args.dtype}, {args.threads} thread(s)", table)
+    write_json(args.json, {"rows": rows, "threads": args.threads, "reps": reps, "model": "small", "dtype": args.dtype,
                            "torch_threads": torch.get_num_threads()})
 
 

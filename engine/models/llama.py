@@ -111,15 +111,15 @@ class Rotary(nn.Module):
         freqs = pos[:, None] * rope_inv_freq(self.cfg).to(device)[None, :]
         self.cos, self.sin = freqs.cos(), freqs.sin()
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> list[torch.Tensor]:
-        """Rotate each x [T, H, D] by its position (rotate-half convention, as in HF)."""
-        cos = self.cos[positions][:, None, :]
-        sin = self.sin[positions][:, None, :]
-        out = []
-        for x in xs:
-            x1, x2 = x.float().chunk(2, dim=-1)
-            out.append(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype))
-        return out
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D/2] of ``positions`` in ``dtype`` (once per step, shared by all layers)."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, H, D] (rotate-half convention, in x's dtype as Hugging Face does)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class RMSNorm(nn.Module):
@@ -143,10 +143,11 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.hq * self.d, cfg.hidden_size, bias=False)
         self.scale = self.d ** -0.5
 
-    def forward(self, x, positions, rotary, pool, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, rope, pool, meta: AttentionMetadata) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.hq * self.d, self.hkv * self.d, self.hkv * self.d], dim=-1)
-        q, k = rotary(positions, q.view(t, self.hq, self.d), k.view(t, self.hkv, self.d))
+        q = apply_rotary(q.view(t, self.hq, self.d), *rope)
+        k = apply_rotary(k.view(t, self.hkv, self.d), *rope)
         out = attend(q, k, v.view(t, self.hkv, self.d), pool, self.layer, meta, self.scale)
         return self.o_proj(out.view(t, self.hq * self.d))
 
@@ -170,8 +171,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, h, positions, rotary, pool, meta):
-        h = h + self.self_attn(self.input_layernorm(h), positions, rotary, pool, meta)
+    def forward(self, h, rope, pool, meta):
+        h = h + self.self_attn(self.input_layernorm(h), rope, pool, meta)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -193,8 +194,9 @@ class LlamaForCausalLM(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K/V into ``pool``."""
         h = self.embed_tokens(input_ids)
+        rope = self.rotary(positions, h.dtype)
         for layer in self.layers:
-            h = layer(h, positions, self.rotary, pool, meta)
+            h = layer(h, rope, pool, meta)
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
