@@ -47,7 +47,7 @@ class Workload:
                 raise ValueError(f"workload.{name}: expected an integer >= 1, got {value!r}")
 
 
-QUICK = Workload(users=2, turns=2, system_tokens=1024, max_tokens=8)
+QUICK = Workload(users=2, turns=2, system_tokens=768, max_tokens=8)
 FULL = Workload(users=3, turns=3, system_tokens=1536, max_tokens=16)
 
 

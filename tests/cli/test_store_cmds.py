@@ -44,6 +44,7 @@ def test_bad_usage_exits_2_on_one_line(cache):
     assert r.code == 2 and r.err.strip() == "error: evict: give exactly one of --namespace, --older-than, --all"
     r = run_tierkv("evict", "--older-than", "soon", "--cache-dir", str(cache))
     assert r.code == 2 and "--older-than" in r.err
+    assert run_tierkv("ls", "--no-such-flag").code == 2
     r = run_tierkv("ls", "--cache-dir", str(cache))
     assert r.code == 1
     assert r.err.count("\n") == 1 and "no L3 cache at" in r.err and "Traceback" not in r.err

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -71,12 +72,13 @@ def _run_pass(plan_path: Path, index: int, bar: Progress, task, debug: bool) -> 
 
 def _table(index: int, ps: dict) -> Table:
     tiers = [t for t in TIER_NAMES if t != "l4" or ps["hit_tokens_by_tier"]["l4"]]
-    table = Table(title=f"pass {index + 1}: {ps['name']}", title_justify="left")
-    for col in ("turn", "prompt", *[f"{t.upper()} hit" for t in tiers], "TTFT cold", "TTFT cached", "speedup", "tok/s"):
+    table = Table(title=f"pass {index + 1}: {ps['name']} — prompt tokens hit per tier; time to first token "
+                        "with the cache disabled (cold) and enabled (cached)", title_justify="left", box=box.SIMPLE_HEAD)
+    for col in ("turn", "prompt", *[t.upper() for t in tiers], "cold ms", "cached ms", "speedup", "tok/s"):
         table.add_column(col, justify="right")
     for r in ps["turns"]:
         table.add_row(f"u{r['user']} t{r['turn']}", str(r["prompt_tokens"]), *[str(r["hit_tokens"][t]) for t in tiers],
-                      f"{r['ttft_nocache_ms']:.0f} ms", f"{r['ttft_cached_ms']:.0f} ms",
+                      f"{r['ttft_nocache_ms']:.0f}", f"{r['ttft_cached_ms']:.0f}",
                       f"{r['ttft_nocache_ms'] / max(r['ttft_cached_ms'], 1e-3):.1f}x", f"{r['tokens_per_s']:.1f}")
     return table
 
