@@ -24,6 +24,7 @@ from triton.compiler import compile as triton_compile  # noqa: E402
 from tierkv.kernels import triton_paged_attention as tpa  # noqa: E402
 from tierkv.kernels import triton_write_kv as twk  # noqa: E402
 
+pytestmark = pytest.mark.filterwarnings("ignore:TRITON_DEFAULT_FP_FUSION is unset")
 TARGET = GPUTarget("cuda", 90, 32)
 OPTIONS = ("num_warps", "num_stages")
 TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16",
