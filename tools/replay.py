@@ -55,6 +55,7 @@ class ReplayResult:
     saved_cost: float
     accesses: int
     seconds: float
+    cpu_seconds: float
     tiers: dict[str, int] = field(default_factory=dict)
     hits_per_tier: dict[str, int] = field(default_factory=dict)
     est_saved_prefill_s: float | None = None
@@ -80,11 +81,12 @@ def load_trace(path: str | Path) -> list[list[bytes]]:
 class Replayer:
     """The store's eviction decisions over accounting-only tiers (capacities in blocks)."""
 
-    def __init__(self, policy: str, capacities: Sequence[int], cost: CostModel, half_life: float) -> None:
+    def __init__(self, policy: str, capacities: Sequence[int], cost: CostModel, half_life: float,
+                 **options) -> None:
         self.capacities = list(capacities) + [0] * (len(LOCAL_TIERS) - len(capacities))
         present = [t for t in LOCAL_TIERS if self.capacities[t] > 0]
         self.lower = {t: next((u for u in present if u > t), None) for t in present}
-        policies = [make_policy(policy, t, cost=cost, lower=self.lower[t], half_life=half_life)
+        policies = [make_policy(policy, t, cost=cost, lower=self.lower[t], half_life=half_life, **options)
                     if t in self.lower else None for t in LOCAL_TIERS]
         self.index = PrefixIndex(policies, half_life)
         self.cost = cost
@@ -92,7 +94,7 @@ class Replayer:
 
     def _evict(self, tier: int) -> bool:
         index = self.index
-        entry = index.victim(tier)
+        entry = index.policies[tier].pop()  # index.victim(tier), without the extra call
         if entry is None:
             return False
         lower = self.lower[tier]
@@ -116,6 +118,7 @@ class Replayer:
         top = LOCAL_TIERS[0]
         cap_top = self.capacities[top]
         counts = index.counts
+        pop, drop = index.policies[top].pop, index.drop
         hits = [0, 0, 0]
         saved = 0.0
         for keys in requests:
@@ -128,23 +131,29 @@ class Replayer:
                 hits[top] += len(tiers)
             saved += weights[len(tiers)]
             # As the store does: the lookup pins and touches the blocks it found,
-            # then the request's blocks are saved into (or promoted to) the top tier.
+            # then the request's blocks are saved into (or promoted to) the top tier, pinned.
             entries = [get(key) for key in keys[: len(tiers)]]
             pin(entries)
             touch(entries)
             parent = None
-            fresh = []
             for depth, key in enumerate(keys):
                 entry = get(key)
                 if entry is None or not entry.mask & 1:
-                    entry = add(key, parent, depth, top)
-                    if entry.ref_count == 0:
-                        fresh.append(entry)
+                    unpinned = entry is None or entry.ref_count == 0
+                    entry = add(key, parent, depth, top, pin=unpinned)
+                    if unpinned:
+                        entries.append(entry)
                 parent = key
-            pin(fresh)
-            entries += fresh
-            while counts[top] > cap_top and self._evict(top):
-                pass
+            if multi:
+                while counts[top] > cap_top and self._evict(top):
+                    pass
+            else:  # the same, inlined: nothing to demote to
+                while counts[top] > cap_top:
+                    victim = pop()
+                    if victim is None:
+                        break
+                    drop(victim.key, top)
+                    self.evictions[top] += 1
             unpin(entries)
             while counts[top] > cap_top and self._evict(top):  # a request larger than the tier
                 pass
@@ -152,8 +161,11 @@ class Replayer:
 
 
 def replay(requests: list[list[bytes]], policy: str, capacities: Sequence[int], depth_weight: float = 0.5,
-           half_life: float = 2000.0, cost: CostModel | None = None) -> ReplayResult:
-    """Replay ``requests`` with ``policy`` over tiers of ``capacities`` blocks (L1, L2, L3)."""
+           half_life: float = 2000.0, cost: CostModel | None = None, **options) -> ReplayResult:
+    """Replay ``requests`` with ``policy`` over tiers of ``capacities`` blocks (L1, L2, L3).
+
+    ``options`` go to the policy (e.g. ``reuse_exponent`` for cost_aware).
+    """
     multi = len([c for c in capacities if c > 0]) > 1
     units = CostModel.units(depth_weight, BLOCK_TOKENS)
     model = cost if cost is not None else units
@@ -163,27 +175,27 @@ def replay(requests: list[list[bytes]], policy: str, capacities: Sequence[int], 
         prefix.append(prefix[-1] + 1.0 + depth_weight * d)
     total = sum(prefix[len(r)] for r in requests)
     accesses = sum(len(r) for r in requests)
-    sim = Replayer(policy, capacities, model, half_life)
-    start = time.perf_counter()
+    sim = Replayer(policy, capacities, model, half_life, **options)
+    start, cpu_start = time.perf_counter(), time.thread_time()
     hits, saved = sim.run(requests, prefix, multi)
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.thread_time() - cpu_start
     names = TIER_NAMES[: len(capacities)]
     result = ReplayResult(
         policy=policy, capacity=int(capacities[0]), hit_rate=sum(hits) / max(accesses, 1),
-        saved_cost=saved / max(total, 1e-12), accesses=accesses, seconds=seconds,
+        saved_cost=saved / max(total, 1e-12), accesses=accesses, seconds=seconds, cpu_seconds=cpu_seconds,
         tiers={n: int(c) for n, c in zip(names, capacities)},
         evictions={n: sim.evictions[t] for t, n in enumerate(names)},
     )
     if multi:
         result.hits_per_tier = {n: hits[t] for t, n in enumerate(names)}
-        result.est_saved_prefill_s, result.est_total_prefill_s = _estimate_seconds(requests, sim, model, policy,
-                                                                                  capacities, half_life)
+        result.est_saved_prefill_s, result.est_total_prefill_s = _estimate_seconds(requests, model, policy,
+                                                                                  capacities, half_life, options)
     return result
 
 
-def _estimate_seconds(requests, sim, model, policy, capacities, half_life) -> tuple[float, float]:
+def _estimate_seconds(requests, model, policy, capacities, half_life, options) -> tuple[float, float]:
     """Rerun (untimed) to add up the cost model's saved prefill time per request's cut match."""
-    again = Replayer(policy, capacities, model, half_life)
+    again = Replayer(policy, capacities, model, half_life, **options)
     saved_us = 0.0
     index = again.index
     orig_match = index.match
@@ -248,6 +260,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--policy", type=_policies, default=["lru", "lfu", "cost_aware"], help="comma-separated policies")
     p.add_argument("--depth-weight", type=float, default=0.5, help="a block at depth d costs 1 + W*d (default 0.5)")
     p.add_argument("--half-life", type=float, default=2000.0, help="reuse decay half-life in lookups")
+    p.add_argument("--reuse-exponent", type=float, default=None,
+                   help="cost_aware: power-law decay of the reuse hazard with age (default: the policy's)")
     p.add_argument("--recompute-us", type=float, default=100.0, help="multi-tier: prefill µs/token at depth 0")
     p.add_argument("--gbps", default="5,1", help="multi-tier: L2,L3 load bandwidth in GB/s (reference layout)")
     p.add_argument("--json", dest="json_out", default=None, help="write results here")
@@ -260,7 +274,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _print_table(results: list[ReplayResult], rate: float) -> None:
+def _print_table(results: list[ReplayResult], rate: float, cpu_rate: float) -> None:
     single = [r for r in results if len([c for c in r.tiers.values() if c]) == 1]
     multi = [r for r in results if r not in single]
     if single:
@@ -274,7 +288,7 @@ def _print_table(results: list[ReplayResult], rate: float) -> None:
         per = " ".join(f"{k}={v}" for k, v in r.hits_per_tier.items())
         print(f"{r.policy:<12} [{tiers}] hit {r.hit_rate:.1%} saved cost {r.saved_cost:.1%} hits {per} "
               f"est. prefill saved {r.est_saved_prefill_s:.1f} s of {r.est_total_prefill_s:.1f} s")
-    print(f"accesses/s: {rate:,.0f}")
+    print(f"accesses/s: {rate:,.0f} wall ({cpu_rate:,.0f} per CPU second of the replay thread)")
 
 
 def plot(results: list[ReplayResult], path: str, title: str) -> None:
@@ -304,22 +318,26 @@ def plot(results: list[ReplayResult], path: str, title: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     requests = load_trace(args.trace)
+    options = {} if args.reuse_exponent is None else {"reuse_exponent": args.reuse_exponent}
     results: list[ReplayResult] = []
     for policy in args.policy:
         for cap in args.capacity or []:
-            results.append(replay(requests, policy, [cap], args.depth_weight, args.half_life))
+            results.append(replay(requests, policy, [cap], args.depth_weight, args.half_life, **options))
     if args.tiers is not None:
         gbps = [float(g) for g in args.gbps.split(",")]
         model = reference_cost(args.depth_weight, args.recompute_us, gbps)
         for policy in args.policy:
-            results.append(replay(requests, policy, args.tiers, args.depth_weight, args.half_life, model))
+            results.append(replay(requests, policy, args.tiers, args.depth_weight, args.half_life, model, **options))
     accesses = sum(r.accesses for r in results)
     seconds = sum(r.seconds for r in results)
+    cpu_seconds = sum(r.cpu_seconds for r in results)
     rate = accesses / seconds if seconds > 0 else 0.0
-    _print_table(results, rate)
+    cpu_rate = accesses / cpu_seconds if cpu_seconds > 0 else 0.0
+    _print_table(results, rate, cpu_rate)
     if args.json_out:
         out = {"trace": str(args.trace), "depth_weight": args.depth_weight, "half_life": args.half_life,
-               "accesses_per_s": rate, "results": [asdict(r) for r in results]}
+               "accesses_per_s": rate, "accesses_per_cpu_s": cpu_rate,
+               "results": [asdict(r) for r in results]}
         Path(args.json_out).write_text(json.dumps(out, indent=1))
     if args.plot:
         single = [r for r in results if len(r.tiers) == 1]

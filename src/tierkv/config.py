@@ -148,11 +148,16 @@ class L4Config:
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    """Eviction policy by name, the write policy, and reuse decay (half-life in lookups)."""
+    """Eviction policy by name, the write policy, and reuse decay (half-life in lookups).
+
+    ``reuse_exponent``: cost_aware's power-law decay of the reuse hazard with a
+    block's age (see docs/replay.md; ``tools/replay.py --reuse-exponent`` tries others).
+    """
 
     name: str = "cost_aware"
     write: str = "write_back"
     half_life: float = 2000.0
+    reuse_exponent: float = 0.75
 
     WRITES = ("write_back", "write_through", "write_through_selective")
 
@@ -162,6 +167,7 @@ class PolicyConfig:
         _check_choice(self.name, "policy.name", tuple(sorted(POLICIES)))
         _check_choice(self.write, "policy.write", self.WRITES)
         _check_float(self.half_life, "policy.half_life", 0.0, strict=True)
+        _check_float(self.reuse_exponent, "policy.reuse_exponent", 0.0, strict=True)
 
 
 @dataclass(frozen=True)

@@ -114,8 +114,12 @@ class PrefixIndex:
 
     # -- membership ---------------------------------------------------------
 
-    def add(self, key: bytes, parent: bytes | None, depth: int, tier: int) -> Entry:
-        """Record that ``tier`` holds ``key`` (creating the entry if new)."""
+    def add(self, key: bytes, parent: bytes | None, depth: int, tier: int, pin: bool = False) -> Entry:
+        """Record that ``tier`` holds ``key`` (creating the entry if new).
+
+        With ``pin`` the block is also pinned, as ``pin([entry])`` would, without
+        being listed as a candidate in between.
+        """
         entry = self._entries.get(key)
         if entry is None:
             entry = self._uncached_parents.pop(key, None)
@@ -125,6 +129,12 @@ class PrefixIndex:
                 entry.parent, entry.depth = parent, depth
             entry.last_access = self.clock
             self._entries[key] = entry
+        if pin:
+            entry.ref_count += 1
+            if entry.ref_count == 1:
+                for t in LOCAL_TIERS:
+                    if entry.handles[t] is not None:
+                        self.policies[t].discard(entry)
         bit = 1 << tier
         if entry.mask & bit:
             return entry
@@ -172,9 +182,10 @@ class PrefixIndex:
         for entry in entries:
             entry.ref_count += 1
             if entry.ref_count == 1:
+                handles = entry.handles
                 for tier in LOCAL_TIERS:
-                    if entry.mask >> tier & 1:
-                        self._unlist(entry, tier)
+                    if handles[tier] is not None:
+                        self.policies[tier].discard(entry)
 
     def unpin(self, entries: Iterable[Entry]) -> None:
         for entry in entries:
@@ -182,8 +193,13 @@ class PrefixIndex:
                 raise RuntimeError(f"unpin of an unpinned block {entry!r}")
             entry.ref_count -= 1
             if entry.ref_count == 0 and self._entries.get(entry.key) is entry:
+                mask, children, handles = entry.mask, entry.children, entry.handles
                 for tier in LOCAL_TIERS:
-                    self._relist(entry, tier)
+                    # _relist, inlined: this loop runs for every block of every request.
+                    if mask >> tier & 1 and not children[tier] and handles[tier] is None:
+                        policy = self.policies[tier]
+                        if policy is not None:
+                            policy.add(entry)
 
     def touch(self, entries: Iterable[Entry]) -> None:
         """One access (a lookup that hit these blocks): advance the clock, decay and bump ``freq``."""
@@ -208,7 +224,8 @@ class PrefixIndex:
     # -- policy bookkeeping -------------------------------------------------
 
     def _relist(self, entry: Entry, tier: int) -> None:
-        if entry.handles[tier] is None and self.evictable(entry, tier):
+        if (entry.handles[tier] is None and entry.ref_count == 0 and not entry.children[tier]
+                and entry.mask >> tier & 1):
             policy = self.policies[tier]
             if policy is not None:
                 policy.add(entry)

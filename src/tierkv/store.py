@@ -104,9 +104,9 @@ class TierKVStore:
         measured = calibrate(layout.block_bytes, layout.block_size, device=str(device),
                              disk_dir=cfg.l3.path if self.l3 is not None else None) if cfg.cost.calibrate else None
         self.cost = CostModel.from_config(cfg.cost, layout.block_bytes, layout.block_size, measured)
-        policies = [make_policy(cfg.policy.name, t, cost=self.cost, lower=self._lower(t),
-                                half_life=cfg.policy.half_life) if self._tiers[t] is not None else None
-                    for t in LOCAL_TIERS]
+        context = {"cost": self.cost, "half_life": cfg.policy.half_life, "reuse_exponent": cfg.policy.reuse_exponent}
+        policies = [make_policy(cfg.policy.name, t, lower=self._lower(t), **context)
+                    if self._tiers[t] is not None else None for t in LOCAL_TIERS]
         self.index = PrefixIndex(policies, cfg.policy.half_life)
         self._persisting: set[bytes] = set()
         self.transfer = TransferEngine(device)
