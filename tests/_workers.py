@@ -72,7 +72,10 @@ def l3_save(path: str, seeds: list[int], num_blocks: int) -> None:
 # -- L3 crash safety --------------------------------------------------------------
 
 def crash_writer(path: str, trial: int, capacity: int, progress) -> None:
-    """Put (and now and then remove) blocks forever; the test SIGKILLs this process."""
+    """Put (and, when full, remove) batches of blocks forever, counting puts in ``progress``.
+
+    The test SIGKILLs this process at a random moment.
+    """
     from tierkv.tiers.base import Lineage
     from tierkv.tiers.disk import DiskTier
 
@@ -89,7 +92,7 @@ def crash_writer(path: str, trial: int, capacity: int, progress) -> None:
                       [Lineage(None, n) for n in range(len(batch))])
         live.extend(k for k, flag in zip(batch, ok) if flag)
         with progress.get_lock():
-            progress.value += len(batch)
+            progress.value += 1
 
 
 # -- two processes on one L3 --------------------------------------------------------
@@ -100,11 +103,13 @@ def l3_mixed(path: str, worker: int, seconds: float, universe: int, num_blocks: 
 
     rng = random.Random(worker)
     cfg = store_config(LAYOUT, 2, 24, path)
-    counts = {"lookups": 0, "loaded": 0, "wrong": 0, "saved": 0, "l3_loaded": 0}
+    counts = {"lookups": 0, "loaded": 0, "wrong": 0, "saved": 0, "l3_loaded": 0, "foreign": 0}
+    mine: set[int] = set()  # prompts this worker saved; hits on others were written by the other process
     with TierKVStore(cfg, LAYOUT, l1_blocks=2 * num_blocks) as store:
         deadline = time.monotonic() + seconds
         while time.monotonic() < deadline:
-            tokens = prompt(rng.randrange(universe), num_blocks, LAYOUT)
+            seed = rng.randrange(universe)
+            tokens = prompt(seed, num_blocks, LAYOUT)
             m = store.lookup(tokens)
             counts["lookups"] += 1
             slots = store.allocate(len(m.to_load))
@@ -123,6 +128,8 @@ def l3_mixed(path: str, worker: int, seconds: float, universe: int, num_blocks: 
             adopted = store.save(keys, fresh, result.num_ok, m)
             store.free([s for s, a in zip(fresh, adopted) if not a])
             counts["saved"] += sum(adopted)
+            counts["foreign"] += seed not in mine and result.num_ok > 0
+            mine.add(seed)
             store.release(m)
         counts["stats"] = store.stats()
     Path(out_file).write_text(json.dumps(counts))
