@@ -56,9 +56,15 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None]) -> list[int]:
-        """``logits`` [S, V] fp32; ``generators[i]`` is row i's own generator (seeded requests) or None."""
-        out = logits.argmax(dim=-1)
+        """``logits`` [S, V] fp32; ``generators[i]`` is row i's own generator (seeded requests) or None.
+
+        Draws run on the CPU (the generators are CPU generators), so a seed gives
+        the same tokens on every device.
+        """
         rows = [i for i, p in enumerate(params) if not p.greedy]
+        if rows and logits.device.type != "cpu":
+            logits = logits.cpu()
+        out = logits.argmax(dim=-1).cpu()
         if rows:
             probs = self._filtered_probs(logits[rows], [params[i] for i in rows])
             for j, i in enumerate(rows):
