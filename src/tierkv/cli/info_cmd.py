@@ -8,6 +8,7 @@ import urllib.request
 from typing import Annotated
 
 import typer
+from rich import box
 from rich.table import Table
 
 from tierkv.catalog import Catalog, open_l3
@@ -130,31 +131,32 @@ def info_cmd(
         print_json(data)
         return
     cfg = data["config"]
-    console.print(f"[bold]cache dir[/] {data['cache_dir']}   model {cfg['model_id']}@{cfg['model_revision']}   "
-                  f"policy {cfg['policy']} ({cfg['write']})   hashing {cfg['hashing']}")
+    console.print(f"[bold]cache dir[/] {data['cache_dir']}   policy {cfg['policy']} ({cfg['write']})   "
+                  f"hashing {cfg['hashing']}" + (f"   namespace {cfg['namespace']!r}" if cfg["namespace"] else ""))
     if "layout" in data:
         lay = data["layout"]
         console.print(f"[bold]layout[/] {lay['fingerprint']}: {lay['num_layers']} layers x {lay['num_kv_heads']} kv heads "
                       f"x {lay['head_dim']} dim, {lay['block_size']} tokens/block, {lay['dtype']}, "
                       f"{human_bytes(lay['block_bytes'])}/block")
-    table = Table(title="tiers")
-    for col in ("tier", "where", "capacity", "used", "notes"):
+    table = Table(box=box.SIMPLE_HEAD)
+    for col in ("tier", "where", "capacity", "used"):
         table.add_column(col)
     tiers = data["tiers"]
-    table.add_row("l1", tiers["l1"]["where"], "-", "-", "lives in the engine process")
-    table.add_row("l2", tiers["l2"]["where"], human_bytes(tiers["l2"]["capacity_bytes"]), "-", "lives in the engine process")
+    table.add_row("l1", "engine process (device pool)", "-", "-")
+    table.add_row("l2", tiers["l2"]["where"], human_bytes(tiers["l2"]["capacity_bytes"]), "-")
     l3 = tiers["l3"]
     if l3["present"]:
         table.add_row("l3", l3["where"], f"{human_bytes(l3['capacity_bytes'])} ({l3['capacity_blocks']} blocks)",
-                      f"{human_bytes(l3['used_bytes'])} ({l3['used_blocks']} blocks)",
-                      f"model {l3['model_id']}@{l3['model_revision']}, {l3['hits_recorded']} hits recorded, "
-                      f"namespaces {', '.join(l3['namespaces']) or '-'}")
+                      f"{human_bytes(l3['used_bytes'])} ({l3['used_blocks']} blocks)")
     else:
-        table.add_row("l3", l3["where"], human_bytes(l3["capacity_bytes"]), "0", "not created yet")
+        table.add_row("l3", l3["where"], human_bytes(l3["capacity_bytes"]), "not created yet")
     l4 = tiers["l4"]
-    table.add_row("l4", l4["where"], str(l4.get("capacity_blocks", "-")), str(l4.get("used_blocks", "-")),
-                  l4.get("error", "reachable" if l4.get("reachable") else ""))
+    table.add_row("l4", l4["where"] + (f" ({l4['error']})" if "error" in l4 else ""),
+                  str(l4.get("capacity_blocks", "-")), str(l4.get("used_blocks", "-")))
     console.print(table)
+    if l3["present"]:
+        console.print(f"l3 holds model {l3['model_id']}@{l3['model_revision']}; {l3['hits_recorded']} block hits "
+                      f"recorded; namespaces: {', '.join(l3['namespaces']) or '-'}")
 
 
 def _opt(v) -> str:

@@ -135,7 +135,11 @@ def run_cmd(
         console.print(summary_line(i, ps))
     out_json.write_text(json.dumps(result, indent=2) + "\n")
     chart = out_json.with_suffix(".png")
-    write_chart(result, chart)
-    console.print(f"wrote {out_json} and {chart} in {result['wall_s']:.1f} s")
+    try:
+        write_chart(result, chart)
+        wrote = f"{out_json} and {chart}"
+    except ImportError:
+        wrote = f"{out_json} (no PNG: matplotlib is missing; pip install 'tierkv[dev]')"
+    console.print(f"wrote {wrote} in {result['wall_s']:.1f} s")
     if passes[1]["hit_tokens_by_tier"]["l3"] == 0 and s.config.l3_enabled:
         raise CLIError("the restarted pass found nothing in L3: blocks did not survive the restart")

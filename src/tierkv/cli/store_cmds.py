@@ -83,7 +83,7 @@ def ls_cmd(
         keep = subtree_ids(tops, tree)
         print_json({"block_size": bs, "segments": [g for g in segs if g["id"] in keep]})
         return
-    root = Tree(f"[bold]{s.l3_path}[/] — {len(records)} blocks, {len(tops)} chains"
+    root = Tree(f"[bold]{s.l3_path}[/] — {len(records)} blocks, {len(tops)} chain{'s' if len(tops) != 1 else ''}"
                 + (f" in namespace {namespace!r}" if namespace is not None else ""))
     by_ns: dict[str, Tree] = {}
     for g in tops:
