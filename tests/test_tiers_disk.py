@@ -39,9 +39,10 @@ def aligned_block(layout: KVLayout) -> torch.Tensor:
 
 def plain_block(layout: KVLayout) -> torch.Tensor:
     """A block tensor that is not page-aligned, so reads go through the bounce buffer."""
-    buf = torch.empty(layout.block_bytes + 64, dtype=torch.uint8)
-    t = buf[64:].view(layout.torch_dtype).view(layout.block_shape)
-    assert t.data_ptr() % 4096 != 0
+    buf = torch.empty(layout.block_bytes + 2 * 4096, dtype=torch.uint8)
+    offset = (64 - buf.data_ptr()) % 4096  # 64 bytes past a page boundary, wherever buf landed
+    t = buf[offset : offset + layout.block_bytes].view(layout.torch_dtype).view(layout.block_shape)
+    assert t.data_ptr() % 4096 == 64
     return t
 
 
