@@ -113,6 +113,12 @@ def test_store_keeps_a_match_whose_l3_is_cheap(make_store, layout):
     assert m.tiers == [L3, L3] and m.est_load_us == 2 * layout.block_size * 0.25
 
 
+def test_store_calibrates_at_start_when_asked_and_config_still_wins(make_store):
+    store = make_store(l1=2, l2=2, l3=4, cost=CostConfig(calibrate=True, l3_us_per_token=9.0))
+    assert store.cost.load_us[0] == 0.0 and store.cost.load_us[1] > 0  # measured
+    assert store.cost.load_us[2] == 9.0                                 # set in config
+
+
 def test_store_config_carries_the_cost_section():
     cfg = StoreConfig.from_dict({"cost": {"recompute_growth": 0.002, "calibrate": False}})
     assert cfg.cost.recompute_growth == 0.002

@@ -43,6 +43,7 @@ def test_write_through_persists_every_new_block_to_l2_and_l3(make_store, layout)
     keys = save_prompt(store, prompt(3, 3, layout))
     store.flush()
     assert tiers_of(store, keys) == ["123", "123", "123"]
+    assert store.stats()["bytes"]["l3_write"] == 3 * layout.block_bytes and store.stats()["failures"] == {}
     for key in keys:
         want = block_for(key, layout)
         assert same_bytes(read_back(store, key, Tier.L2), want)
@@ -55,6 +56,7 @@ def test_write_through_without_l3_writes_l2_only(make_store, layout):
     keys = save_prompt(store, prompt(4, 2, layout))
     store.flush()
     assert tiers_of(store, keys) == ["12", "12"]
+    assert store.stats()["failures"] == {}
 
 
 def test_write_through_selective_persists_on_the_second_hit(make_store, layout):

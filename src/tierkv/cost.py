@@ -75,13 +75,6 @@ class CostModel:
         """A model in abstract units: a block at depth d costs ``1 + depth_weight * d``, loads are free."""
         return cls((0.0, 0.0, 0.0, 0.0), 1.0 / block_size, depth_weight / block_size, block_size, 1)
 
-    def with_load(self, **tiers: float) -> CostModel:
-        """A copy with some load costs replaced, e.g. ``with_load(l2=3.0)`` (µs per token)."""
-        load = list(self.load_us)
-        for name, value in tiers.items():
-            load[int(name[1]) - 1] = value
-        return replace(self, load_us=tuple(load))
-
     # -- per block -------------------------------------------------------------
 
     def recompute_block_us(self, depth: int, block_size: int | None = None) -> float:
@@ -143,14 +136,12 @@ def _best_of(fn: Callable[[], None], repeat: int) -> float:
 
 
 def _host_copy_seconds(nbytes: int, repeat: int) -> float:
-    from tierkv.tiers.base import _memmove
-
-    src, dst = bytearray(os.urandom(1024)) * (nbytes // 1024 + 1), bytearray(nbytes + 1024)
+    """One single-threaded memmove of ``nbytes`` between two host buffers (as tiers copy)."""
     import ctypes
 
-    s = ctypes.addressof((ctypes.c_char * len(src)).from_buffer(src))
-    d = ctypes.addressof((ctypes.c_char * len(dst)).from_buffer(dst))
-    return _best_of(lambda: _memmove(d, s, nbytes), repeat)
+    src = (ctypes.c_char * nbytes).from_buffer(bytearray(os.urandom(nbytes)))
+    dst = (ctypes.c_char * nbytes)()
+    return _best_of(lambda: ctypes.memmove(dst, src, nbytes), repeat)
 
 
 def _h2d_seconds(nbytes: int, device: str, repeat: int) -> float:
@@ -168,7 +159,7 @@ def _h2d_seconds(nbytes: int, device: str, repeat: int) -> float:
 
 
 def _disk_read_seconds(nbytes: int, directory: str | None, repeat: int) -> float:
-    with tempfile.NamedTemporaryFile(dir=directory) as fh:
+    with tempfile.NamedTemporaryFile(dir=os.path.expanduser(directory) if directory else None) as fh:
         fh.write(os.urandom(nbytes))
         fh.flush()
         os.fsync(fh.fileno())
