@@ -5,8 +5,9 @@ from __future__ import annotations
 import random
 
 import pytest
+from _kv import prompt, save_prompt
 
-from tierkv.config import PolicyConfig
+from tierkv.config import CostConfig, PolicyConfig
 from tierkv.cost import CostModel
 from tierkv.index import PrefixIndex, Tier
 from tierkv.policy import POLICIES, CostAwarePolicy, LFUPolicy, LRUPolicy, make_policy
@@ -191,3 +192,18 @@ def test_lru_order_is_plain_recency():
     use(index, "bcd")
     use(index, "a")
     assert drain(index) == ["d", "c", "b", "a"]
+
+
+@pytest.mark.parametrize("name,survivor", [("cost_aware", "deep"), ("lru", "shallow")])
+def test_the_store_evicts_by_its_configured_policy(make_store, layout, name, survivor):
+    # No lower tier, recompute grows 10 % per token of context: the deep chain's
+    # leaf is worth 2.6x the lone block, so cost_aware drops the lone block; LRU
+    # drops the older leaf (the deep chain's, saved first).
+    store = make_store(l1=4, l2=0, l3=0, policy=PolicyConfig(name=name), cost=CostConfig(recompute_growth=0.1))
+    deep = save_prompt(store, prompt(21, 3, layout))
+    shallow = save_prompt(store, prompt(22, 1, layout))
+    store.free(store.allocate(1))
+    kept = {"deep": deep, "shallow": shallow}[survivor]
+    gone = {"deep": shallow, "shallow": deep[-1:]}[survivor]
+    assert all(store.index.get(key) is not None for key in kept)
+    assert all(store.index.get(key) is None for key in gone)
