@@ -34,6 +34,7 @@ from tierkv.tiers.host import HostTier
 from tierkv.transfer import LoadHandle, LoadResult, TransferEngine, gather_futures, now
 
 __all__ = ["Match", "OutOfBlocks", "TierKVStore"]
+L4_MAX_QUEUED = 256  # blocks copied and waiting for the IO thread to send them to L4
 
 
 @dataclass
@@ -99,6 +100,8 @@ class TierKVStore:
             meta = {"model_id": cfg.model_id, "model_revision": cfg.model_revision}
             self.l3 = DiskTier(cfg.l3.path, layout, n3, meta, cfg.l3.direct_io, self._on_failure)
         self.l4 = self._open_remote() if cfg.l4.url else None
+        self._l4_lock = threading.Lock()
+        self._l4_queued = 0
         self._tiers = [self.l1, self.l2, self.l3]
         device = self.l1.device if self.l1 is not None else torch.device("cpu")
         measured = calibrate(layout.block_bytes, layout.block_size, device=str(device),
@@ -167,8 +170,7 @@ class TierKVStore:
             if len(tiers) < len(keys) and self.l3 is not None:
                 self._probe_l3(keys, tiers)
             if len(tiers) < len(keys) and self.l4 is not None:
-                found = self.l4.contains(keys[len(tiers):])
-                for hit in found:
+                for hit in self._probe_l4(keys[len(tiers):]):
                     if not hit:
                         break
                     tiers.append(Tier.L4)
@@ -186,6 +188,14 @@ class TierKVStore:
                 self._persist_async([e for e in local if e.freq > 1.0])
         self.metrics.count_lookup(tiers, len(keys) - len(tiers))
         return m
+
+    def _probe_l4(self, keys: list[BlockHash]) -> list[bool]:
+        """One batched L4 membership call; a failing pool is all misses (the tier counts why)."""
+        try:
+            return self.l4.contains(keys)
+        except Exception as exc:  # the tier never raises for a pool failure; this guards its bugs
+            self._on_failure("l4", "error", len(keys), repr(exc))
+            return [False] * len(keys)
 
     def _probe_l3(self, keys: list[BlockHash], tiers: list[int]) -> None:
         """Blocks another process wrote to a shared L3 since we opened it."""
@@ -260,16 +270,44 @@ class TierKVStore:
     def _put_lower(self, entry: Entry, tier: int, src: torch.Tensor) -> bool:
         lineage = [Lineage(entry.parent, entry.depth)]
         if tier == Tier.L4:
-            ok = self.l4.put([entry.key], [src if src.device.type == "cpu" else src.cpu()], lineage)[0]
-            nbytes = self.layout.block_bytes if ok else 0
-            self.metrics.add("bytes", ("l4", "write"), nbytes)
-            return ok
+            return self._put_l4_async(entry.key, src, lineage)
         self._make_room(tier, 1)
         ok = self._tiers[tier].put([entry.key], [src], lineage)[0]
         if ok:
             self.index.add(entry.key, entry.parent, entry.depth, tier)
             self.metrics.add("bytes", (TIER_NAMES[tier], "write"), self.layout.block_bytes)
         return ok
+
+    def _put_l4_async(self, key: BlockHash, src: torch.Tensor, lineage: list[Lineage]) -> bool:
+        """Queue a copy of ``src`` for L4 on the IO thread; False (counted) when too many are queued.
+
+        The bytes are copied first, so the source slot may be reused at once.
+        L4 failures are counted by the tier and never raise into the caller.
+        """
+        with self._l4_lock:
+            if self._l4_queued >= L4_MAX_QUEUED:
+                self._on_failure("l4", "put_dropped", 1, f"{L4_MAX_QUEUED} L4 puts already queued")
+                return False
+            self._l4_queued += 1
+        if src.device.type == "cpu":
+            copy = torch.empty(src.shape, dtype=src.dtype)
+            copy_block(copy, src)
+        else:
+            copy = src.to("cpu")
+
+        def put() -> None:
+            try:
+                ok = self.l4.put([key], [copy], lineage)[0]
+            except Exception as exc:  # a tier bug must not kill the IO thread: count it as a miss
+                self._on_failure("l4", "error", 1, repr(exc))
+                ok = False
+            finally:
+                with self._l4_lock:
+                    self._l4_queued -= 1
+            self.metrics.add("bytes", ("l4", "write"), self.layout.block_bytes if ok else 0)
+
+        self.transfer.io(put)
+        return True
 
     def _make_room(self, tier: int, n: int) -> None:
         t = self._tiers[tier]
@@ -541,11 +579,15 @@ class TierKVStore:
         out = self.metrics.snapshot()
         out["block_bytes"] = self.layout.block_bytes
         out["index_entries"] = len(self.index)
+        if self.l4 is not None:
+            out["l4"] = self.l4.stats()
         return out
 
     def close(self) -> None:
-        """Finish pending transfers and close files. The store is unusable afterwards."""
+        """Finish pending transfers (queued L4 puts included) and close files. The store is unusable afterwards."""
         self.transfer.close()
+        if self.l4 is not None:
+            self.l4.close()
         if self.l3 is not None:
             self.l3.close()
         if self.l2 is not None:

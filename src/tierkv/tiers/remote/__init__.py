@@ -1,8 +1,43 @@
-"""L4 remote pool backends, chosen by URL scheme (DESIGN §5)."""
+"""L4 remote pool backends, chosen by URL scheme (DESIGN §5).
+
+``mooncake://`` is Mooncake Store (RDMA where a device is found, TCP
+otherwise); ``redis://``, ``rediss://``, ``valkey://`` and
+``redis+cluster://`` are any Redis-protocol server or cluster. Both sit
+behind ``RemoteTier``, which adds the value header, checksum, optional MAC
+and the circuit breaker. Backend clients are imported only here, on demand.
+"""
 
 from __future__ import annotations
 
+from tierkv.config import L4Config
+from tierkv.layout import KVLayout
+from tierkv.tiers.remote.base import HEADER_BYTES, CircuitBreaker, FailureHook, RemoteTier
 
-def open_remote(config, layout, on_failure):
-    """The L4 tier for ``config.url``; see issue 6 for the backends."""
-    raise ValueError(f"l4.url: no remote backend is built in yet for {config.url!r}")
+__all__ = ["RemoteTier", "open_backend", "open_remote"]
+
+REDIS_SCHEMES = ("redis", "rediss", "valkey", "redis+cluster")
+
+
+def open_backend(url: str, timeout_ms: int, value_bytes: int):
+    """The raw backend client for ``url`` (no header, no breaker): for the tier and for benchmarks."""
+    scheme = url.split("://", 1)[0]
+    if scheme in REDIS_SCHEMES:
+        from tierkv.tiers.remote.redis import RedisBackend
+
+        return RedisBackend(url, timeout_ms)
+    if scheme == "mooncake":
+        from tierkv.tiers.remote.mooncake import MooncakeBackend
+
+        return MooncakeBackend(url, timeout_ms, value_bytes)
+    raise ValueError(f"l4.url: expected a URL with scheme one of {['mooncake', *REDIS_SCHEMES]}, got {url!r}")
+
+
+def open_remote(config: L4Config, layout: KVLayout, on_failure: FailureHook | None = None) -> RemoteTier:
+    """The L4 tier for ``config.url``. Connecting is lazy: a pool that is down now is a miss, not an error.
+
+    Raises ValueError for a malformed URL and ImportError (naming the pip
+    extra) when the backend's client library is missing.
+    """
+    backend = open_backend(config.url, config.timeout_ms, HEADER_BYTES + layout.block_bytes)
+    breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_s)
+    return RemoteTier(backend, layout, config.key_prefix, config.auth_key, breaker, on_failure)

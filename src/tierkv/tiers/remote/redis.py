@@ -1,0 +1,125 @@
+"""L4 backend for any Redis-protocol server or Redis Cluster, through redis-py.
+
+Schemes: ``redis://`` and ``valkey://`` (plain TCP), ``rediss://`` (TLS),
+``redis+cluster://`` (Redis Cluster client; seeds from the URL's host). The
+rest of the URL is redis-py's: ``redis://[user:password@]host:port/db``.
+Values are stored whole (header and payload in one string) under names
+namespaced by ``l4.key_prefix``; every batch is one pipelined round trip.
+
+Timeouts are redis-py's socket timeouts set to ``l4.timeout_ms`` and client
+retries are off, so a dead server costs one short timeout per call, after
+which the tier's breaker stops asking. Thread-safe: redis-py's connection
+pool hands each thread its own connection; write buffers are per thread.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from urllib.parse import urlsplit, urlunsplit
+
+from tierkv.tiers.remote.base import RemoteUnavailable
+
+
+def _import_redis():
+    try:
+        import redis
+    except ImportError as exc:
+        raise ImportError("l4.url: redis:// needs redis-py; install it with pip install 'tierkv[redis]'") from exc
+    return redis
+
+
+def display_url(url: str) -> str:
+    """``url`` without its password, for logs and metrics."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+class RedisBackend:
+    """Batched exists/read/write/delete over one Redis server or cluster. Thread-safe."""
+
+    def __init__(self, url: str, timeout_ms: int) -> None:
+        redis = _import_redis()
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        self.url = display_url(url)
+        scheme, rest = url.split("://", 1)
+        self.cluster = scheme == "redis+cluster"
+        client_url = ("rediss://" if scheme == "rediss" else "redis://") + rest
+        timeout = timeout_ms / 1000.0
+        common = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
+        if self.cluster:
+            from redis.cluster import RedisCluster
+
+            self.client = RedisCluster.from_url(client_url, require_full_coverage=False, **common)
+        else:
+            self.client = redis.Redis.from_url(client_url, **common)
+        self._errors = (redis.RedisError, OSError)
+        self._local = threading.local()
+
+    def _pipeline(self):
+        return self.client.pipeline(transaction=False)
+
+    def _execute(self, pipe) -> list:
+        try:
+            return pipe.execute(raise_on_error=False)
+        except self._errors as exc:
+            raise RemoteUnavailable(repr(exc)) from None
+
+    def exists(self, names: list[str]) -> list[bool]:
+        pipe = self._pipeline()
+        for name in names:
+            pipe.exists(name)
+        out = []
+        for r in self._execute(pipe):
+            if isinstance(r, Exception):
+                raise RemoteUnavailable(repr(r))
+            out.append(bool(r))
+        return out
+
+    def _buffers(self, n: int, size: int) -> list[bytearray]:
+        bufs = getattr(self._local, "bufs", None)
+        if bufs is None or (bufs and len(bufs[0]) != size):
+            bufs = self._local.bufs = []
+        while len(bufs) < n:
+            bufs.append(bytearray(size))
+        return bufs[:n]
+
+    def write(self, names: list[str], fill: Callable[[int, memoryview], None], size: int) -> list[bool]:
+        bufs = self._buffers(len(names), size)
+        pipe = self._pipeline()
+        for i, (name, buf) in enumerate(zip(names, bufs)):
+            fill(i, memoryview(buf))
+            pipe.set(name, buf)
+        return [r is True for r in self._execute(pipe)]
+
+    def read(self, names: list[str], size: int, sink: Callable[[int, memoryview | None], None]) -> None:
+        pipe = self._pipeline()
+        for name in names:
+            pipe.get(name)
+        results = self._execute(pipe)
+        if results and all(isinstance(r, Exception) for r in results):
+            raise RemoteUnavailable(repr(results[0]))
+        for i, value in enumerate(results):
+            if isinstance(value, (bytes, bytearray)):
+                sink(i, memoryview(value))
+
+    def delete(self, names: list[str]) -> None:
+        try:
+            self.client.delete(*names)
+        except self._errors as exc:
+            raise RemoteUnavailable(repr(exc)) from None
+
+    def info(self) -> dict:
+        return {"backend": "redis-cluster" if self.cluster else "redis", "url": self.url}
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except self._errors:
+            pass

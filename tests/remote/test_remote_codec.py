@@ -1,0 +1,114 @@
+"""Value header, MAC and circuit breaker: pure, no server."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _kv import LAYOUT, ODD_LAYOUT, block_for, key_of, same_bytes
+
+from tierkv.config import L4Config
+from tierkv.tiers.remote import open_remote
+from tierkv.tiers.remote.base import (
+    CORRUPT, FOREIGN, HEADER_BYTES, LAYOUT as LAYOUT_VERDICT, OK, TRUNCATED, UNAUTHENTICATED,
+    CircuitBreaker, Deadline, RemoteUnavailable, ValueCodec, _copy_payload)
+
+
+def encode(codec: ValueCodec, key: bytes, layout=LAYOUT) -> bytearray:
+    buf = bytearray(codec.value_bytes)
+    codec.encode_into(key, block_for(key, layout), memoryview(buf))
+    return buf
+
+
+def test_round_trip_is_byte_identical():
+    codec, key = ValueCodec(LAYOUT), key_of("a")
+    value = encode(codec, key)
+    assert len(value) == HEADER_BYTES + LAYOUT.block_bytes and value[:4] == b"TKV4"
+    assert codec.check(key, memoryview(value)) == OK
+    out = torch.empty(LAYOUT.block_shape, dtype=LAYOUT.torch_dtype)
+    _copy_payload(out, memoryview(bytes(value)))
+    assert same_bytes(out, block_for(key, LAYOUT))
+
+
+def test_every_bad_value_has_its_reason():
+    codec, key = ValueCodec(LAYOUT), key_of("b")
+    value = encode(codec, key)
+    assert codec.check(key_of("other"), memoryview(value)) == FOREIGN
+    assert codec.check(key, memoryview(value[:-1])) == TRUNCATED
+    assert codec.check(key, memoryview(value[:10])) == TRUNCATED
+    assert codec.check(key, memoryview(b"")) == TRUNCATED
+    assert codec.check(key, memoryview(b"\x00" * len(value))) == FOREIGN
+    flipped = bytearray(value)
+    flipped[HEADER_BYTES + 7] ^= 1
+    assert codec.check(key, memoryview(flipped)) == CORRUPT
+    odd = ValueCodec(ODD_LAYOUT)
+    assert codec.check(key, memoryview(encode(odd, key, ODD_LAYOUT))) == LAYOUT_VERDICT
+
+
+def test_mac_rejects_values_written_without_or_with_another_key():
+    signed, key = ValueCodec(LAYOUT, "k1"), key_of("c")
+    assert signed.check(key, memoryview(encode(signed, key))) == OK
+    assert signed.check(key, memoryview(encode(ValueCodec(LAYOUT), key))) == UNAUTHENTICATED
+    assert signed.check(key, memoryview(encode(ValueCodec(LAYOUT, "k2"), key))) == UNAUTHENTICATED
+    tampered = encode(signed, key)
+    tampered[-1] ^= 1
+    assert signed.check(key, memoryview(tampered)) == UNAUTHENTICATED
+    # A reader without the key still checks the checksum of a signed value.
+    assert ValueCodec(LAYOUT).check(key, memoryview(encode(signed, key))) == OK
+
+
+def test_breaker_opens_probes_and_closes():
+    now = [0.0]
+    b = CircuitBreaker(failures=2, reset_s=1.0, clock=lambda: now[0])
+    assert b.allow() and b.state == "closed"
+    b.failure()
+    assert b.allow() and b.state == "closed"
+    b.failure()
+    assert b.state == "open" and not b.allow() and b.opens == 1
+    now[0] = 1.5
+    assert b.state == "half_open"
+    assert b.allow() and not b.allow()  # exactly one probe
+    b.failure()
+    assert b.state == "open" and b.opens == 2 and not b.allow()
+    now[0] = 3.0
+    assert b.allow()
+    b.success()
+    assert b.state == "closed" and b.allow() and b.allow()
+
+
+def test_deadline_gives_up_and_keeps_the_gate_until_the_late_call_ends():
+    import threading
+
+    release = threading.Event()
+    d = Deadline(0.05, "test")
+    with pytest.raises(RemoteUnavailable, match="timeout"):
+        d.run(release.wait)
+    with pytest.raises(RemoteUnavailable, match="busy"):
+        d.run(lambda: 1)
+    release.set()
+    assert d.run(lambda: 2, after=lambda r: r + 1) == 3
+    d.close()
+
+
+def test_unreachable_pool_is_misses_not_exceptions():
+    # Nothing listens on port 1: every call fails fast, is counted, and the breaker opens.
+    failures = []
+    tier = open_remote(L4Config(url="redis://127.0.0.1:1/0", timeout_ms=100, breaker_failures=2),
+                       LAYOUT, lambda *a: failures.append(a))
+    key = key_of("d")
+    dst = [torch.empty(LAYOUT.block_shape, dtype=LAYOUT.torch_dtype)]
+    assert tier.contains([key]) == [False]
+    assert tier.put([key], [block_for(key, LAYOUT)]) == [False]
+    assert tier.get([key], dst) == [False]
+    s = tier.stats()
+    assert s["failed_calls"] == 2 and s["skipped_calls"] == 1 and s["breaker"] == "open"
+    assert [f[1] for f in failures] == ["unavailable", "unavailable", "breaker_open"]
+    tier.close()
+
+
+def test_bad_urls_name_the_field():
+    with pytest.raises(ValueError, match="l4.url"):
+        open_remote(L4Config(url="mooncake://nohost"), LAYOUT)
+    with pytest.raises(ValueError, match="unknown mooncake option 'segmnt'"):
+        open_remote(L4Config(url="mooncake://127.0.0.1:1?segmnt=1GB"), LAYOUT)
+    with pytest.raises(ValueError, match="protocol"):
+        open_remote(L4Config(url="mooncake://127.0.0.1:1?protocol=ib"), LAYOUT)

@@ -1,0 +1,185 @@
+"""L4 against real servers, for both backends: sharing between nodes, a killed server, planted values.
+
+"Nodes" are two TierKVStores in this process with their own L1-L3 (own L3
+directories) and one shared L4 pool.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from _kv import block_for, prompt, same_bytes, save_prompt, store_config
+
+from tierkv.config import L4Config
+from tierkv.index import Tier
+from tierkv.layout import KVLayout
+from tierkv.store import TierKVStore
+from tierkv.tiers.remote.base import ValueCodec
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(params=["redis", "mooncake"])
+def pool(request):
+    return request.getfixturevalue("redis_server" if request.param == "redis" else "mooncake_pool")
+
+
+def make_node(tmp_path, name: str, layout: KVLayout, url: str, l1: int = 8, l2: int = 1, l3: int = 1,
+              **l4) -> TierKVStore:
+    l4.setdefault("timeout_ms", 300)
+    cfg = store_config(layout, l2, l3, tmp_path / name / "l3", l4=L4Config(url=url, **l4))
+    return TierKVStore(cfg, layout, l1_blocks=l1)
+
+
+def drain(store: TierKVStore) -> None:
+    """Wait until every L4 put queued so far has been sent (they run on the IO thread, in order)."""
+    store.transfer.io(lambda: None).result(timeout=60)
+
+
+def wait_healthy(store: TierKVStore, timeout: float = 20.0) -> None:
+    """Until the pool takes a value again: after a restart, the first calls may fail or time out."""
+    deadline = time.monotonic() + timeout
+    probe = [torch.zeros(store.layout.block_shape, dtype=store.layout.torch_dtype)]
+    while not store.l4.put([bytes(16)], probe)[0]:
+        assert time.monotonic() < deadline, f"L4 did not come back: {store.l4.stats()}"
+        time.sleep(0.2)
+    store.l4.remove([bytes(16)])
+
+
+def push_to_l4(store: TierKVStore, keys: list[bytes], layout: KVLayout) -> None:
+    """Evict through every tier of ``store`` until ``keys`` all sit in L4 (write-back demotion)."""
+    for round_ in range(8):
+        store.free(store.allocate(store.l1.capacity))
+        drain(store)
+        if all(store.l4.contains(keys)):
+            return
+        save_prompt(store, prompt(10_000 + round_, 2, layout), namespace="filler")
+    raise AssertionError(f"blocks never reached L4: {store.l4.contains(keys)} {store.stats()}")
+
+
+def load_into_l1(store: TierKVStore, tokens: list[int]):
+    m = store.lookup(tokens)
+    slots = store.allocate(len(m.to_load))
+    result = store.load(m, slots).wait(30)
+    return m, slots, result
+
+
+def test_node_b_hits_what_node_a_saved(pool, tmp_path, layout):
+    a = make_node(tmp_path, "a", layout, pool.url)
+    b = make_node(tmp_path, "b", layout, pool.url)
+    try:
+        tokens = prompt(1, 6, layout)
+        keys = save_prompt(a, tokens)
+        push_to_l4(a, keys, layout)
+        m, slots, result = load_into_l1(b, tokens)
+        assert m.tiers == [Tier.L4] * 6
+        assert result.ok == [True] * 6 and all(result.adopted)
+        for key, slot in zip(keys, slots):
+            assert same_bytes(b.l1.block(slot), block_for(key, layout))
+        assert b.stats()["l4"]["hits"] == 6
+        b.release(m)
+        # A second lookup on B is served locally now.
+        assert b.lookup(tokens, pin=False).tiers == [Tier.L1] * 6
+    finally:
+        a.close()
+        b.close()
+
+
+def test_server_killed_mid_run_is_misses_then_hits_resume(pool, tmp_path, layout):
+    a = make_node(tmp_path, "a", layout, pool.url, breaker_failures=2, breaker_reset_s=0.3)
+    b = make_node(tmp_path, "b", layout, pool.url, breaker_failures=2, breaker_reset_s=0.3)
+    try:
+        tokens = prompt(2, 4, layout)
+        keys = save_prompt(a, tokens)
+        push_to_l4(a, keys, layout)
+        m = b.lookup(tokens)
+        assert m.tiers == [Tier.L4] * 4
+        pool.kill()
+        # A load started from a match made before the kill: a miss, not an exception.
+        result = b.load(m, b.allocate(4)).wait(30)
+        assert result.ok == [False] * 4 and result.num_ok == 0
+        b.release(m)
+        for _ in range(4):
+            assert b.lookup(tokens, pin=False).tiers == []
+        s = b.stats()
+        assert s["l4"]["breaker"] == "open" and s["l4"]["breaker_opens"] >= 1
+        assert s["l4"]["skipped_calls"] >= 1
+        assert s["failures"].get("l4_unavailable", 0) >= 2 and s["failures"].get("l4_breaker_open", 0) >= 1
+        pool.restart()
+        # The pool came back empty (no persistence): A saves again, B hits again.
+        wait_healthy(a)
+        push_to_l4(a, save_prompt(a, prompt(3, 4, layout)), layout)
+        deadline = time.monotonic() + 15
+        tokens3 = prompt(3, 4, layout)
+        while b.lookup(tokens3, pin=False).tiers != [Tier.L4] * 4:
+            assert time.monotonic() < deadline, "L4 hits did not resume after the restart"
+            time.sleep(0.35)
+        assert b.stats()["l4"]["breaker"] == "closed"
+        _, slots, result = load_into_l1(b, tokens3)
+        assert result.ok == [True] * 4
+        keys3 = b.hash(tokens3)
+        assert all(same_bytes(b.l1.block(s), block_for(k, layout)) for k, s in zip(keys3, slots))
+    finally:
+        a.close()
+        b.close()
+
+
+OTHER = KVLayout(num_layers=2, num_kv_heads=4, head_dim=16, block_size=8)  # same bytes, other layout
+
+
+def test_planted_values_are_counted_misses(pool, tmp_path, layout):
+    assert OTHER.block_bytes == layout.block_bytes and OTHER.fingerprint != layout.fingerprint
+    node = make_node(tmp_path, "n", layout, pool.url, auth_key="s3cret")
+    try:
+        tokens = prompt(4, 7, layout)
+        keys = node.hash(tokens)
+        names = [node.l4.key_name(k) for k in keys]
+        signed = ValueCodec(layout, "s3cret")
+        unsigned = ValueCodec(layout)
+        foreign = ValueCodec(OTHER, "s3cret")
+
+        def value(codec: ValueCodec, key: bytes) -> bytes:
+            buf = bytearray(codec.value_bytes)
+            codec.encode_into(key, block_for(key, layout), memoryview(buf))
+            return bytes(buf)
+
+        good = value(signed, keys[0])
+        flipped = bytearray(value(signed, keys[6]))
+        flipped[-1] ^= 0x40
+        plants = [good, value(signed, keys[1])[:-100], os.urandom(len(good)), value(foreign, keys[3]),
+                  value(unsigned, keys[4]), value(ValueCodec(layout, "wrong"), keys[5]), bytes(flipped)]
+        for name, data in zip(names, plants):
+            pool.plant(name, data)
+        dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in keys]
+        assert node.l4.contains(keys) == [True] * 7
+        assert node.l4.get(keys, dst) == [True] + [False] * 6
+        assert same_bytes(dst[0], block_for(keys[0], layout))
+        f = node.stats()["failures"]
+        assert f.get("l4_truncated") == 1 and f.get("l4_foreign") == 1 and f.get("l4_layout") == 1
+        assert f.get("l4_unauthenticated") == 3  # with a MAC, a flipped payload byte fails the MAC first
+        assert node.stats()["l4"]["bad_values"] == 6
+        # Through the store: the match stops nowhere (the pool holds all 7), the load keeps only block 0.
+        m = node.lookup(tokens)
+        result = node.load(m, node.allocate(len(m.to_load))).wait(30)
+        assert result.ok == [True] + [False] * 6 and result.num_ok == 1
+    finally:
+        node.close()
+
+
+def test_redis_cluster_scheme_shares_between_nodes(redis_cluster, tmp_path, layout):
+    a = make_node(tmp_path, "a", layout, redis_cluster.url)
+    b = make_node(tmp_path, "b", layout, redis_cluster.url)
+    try:
+        tokens = prompt(5, 3, layout)
+        keys = save_prompt(a, tokens)
+        push_to_l4(a, keys, layout)
+        _, slots, result = load_into_l1(b, tokens)
+        assert result.ok == [True] * 3
+        assert all(same_bytes(b.l1.block(s), block_for(k, layout)) for k, s in zip(keys, slots))
+        assert b.stats()["l4"]["backend"] == "redis-cluster"
+    finally:
+        a.close()
+        b.close()
