@@ -132,6 +132,9 @@ class LLM:
             while not seq.is_finished:
                 if seq in self.step():
                     yield self._output(seq)
+        except GeneratorExit:  # the consumer stopped early: drop this request only
+            self.scheduler.abort(seq)
+            raise
         except BaseException:
             self.scheduler.abort_all()
             raise

@@ -131,6 +131,16 @@ class Scheduler:
                 self.kv.release(seq)
         return out
 
+    def abort(self, seq: Sequence) -> None:
+        """Drop one request wherever it is (a client went away); its blocks go back to the store."""
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        for queue in (self.loading, self.running):
+            if seq in queue:
+                queue.remove(seq)
+                self.kv.release(seq)
+        seq.state, seq.finish_reason = SeqState.FINISHED, seq.finish_reason or "abort"
+
     def abort_all(self) -> None:
         """Release every admitted sequence (engine shutdown or an error mid-step)."""
         for seq in self.loading + self.running:

@@ -126,3 +126,13 @@ def test_bad_requests_fail_naming_the_field(make_llm):
         llm.generate([[5, 999]], GREEDY)
     with pytest.raises(ValueError, match="num_blocks"):
         llm.generate([list(range(3, 100))], GREEDY)
+
+
+def test_stream_closed_early_returns_its_blocks(make_llm, reference):
+    llm = make_llm(enable_cache=False)
+    stream = llm.stream(prompts(1)[0], LONG)
+    got = [next(stream).token_ids for _ in range(3)]
+    assert got[-1] == reference[0][:3]
+    stream.close()
+    assert llm.store.l1.num_free == 128 and not llm.scheduler.has_work()
+    assert [o.token_ids for o in llm.generate(prompts(6), LONG)] == reference
