@@ -128,7 +128,8 @@ class DiskTier:
 
     @property
     def capacity(self) -> int:
-        return self._capacity
+        """Slots in the directory: the largest capacity any opener asked for (read fresh)."""
+        return self._refresh_capacity()
 
     @property
     def used(self) -> int:
@@ -278,10 +279,24 @@ class DiskTier:
             return slot
         raw = txn.get(b"next_slot", db=self._meta)
         slot = int(raw) if raw else 0
-        if slot >= self._capacity:
+        if slot >= self._capacity and slot >= self._refresh_capacity(txn):
             return None
         txn.put(b"next_slot", str(slot + 1).encode(), db=self._meta)
         return slot
+
+    def _refresh_capacity(self, txn=None) -> int:
+        # Another process may have opened the directory with more slots (and grown the
+        # file): its blocks past our own capacity are valid, not corrupt.
+        if getattr(self, "_fd", None) is None:  # closed
+            return self._capacity
+        if txn is None:
+            with self._env.begin() as rtxn:
+                raw = rtxn.get(b"capacity", db=self._meta)
+        else:
+            raw = txn.get(b"capacity", db=self._meta)
+        if raw is not None and int(raw) > self._capacity:
+            self._capacity = int(raw)
+        return self._capacity
 
     @property
     def _bounce(self) -> mmap.mmap:
@@ -325,7 +340,7 @@ class DiskTier:
             raise OSError(errno.EIO, f"short write at slot {slot}: {n} of {count * self.stride} bytes")
 
     def _read_one(self, rec: Record, dst: torch.Tensor) -> bool:
-        if rec.slot >= self._capacity:
+        if rec.slot >= self._capacity and rec.slot >= self._refresh_capacity():
             return False
         on_cpu = dst.device.type == "cpu"
         view = self._aligned(dst) if on_cpu else None
