@@ -69,6 +69,18 @@ def l3_save(path: str, seeds: list[int], num_blocks: int) -> None:
             pass
 
 
+def l3_fill(path: str, capacity: int, labels: list[str]) -> dict:
+    """Open the L3 directory with ``capacity`` slots and put one block per label."""
+    from tierkv.tiers.disk import DiskTier
+
+    tier = DiskTier(path, LAYOUT, capacity)
+    keys = [key_of("disk", label) for label in labels]
+    ok = tier.put(keys, [block_for(k, LAYOUT) for k in keys])
+    slots = sorted(r.slot for r in tier.records())
+    tier.close()
+    return {"ok": ok, "slots": slots}
+
+
 # -- L3 crash safety --------------------------------------------------------------
 
 def crash_writer(path: str, trial: int, capacity: int, progress) -> None:
@@ -137,7 +149,7 @@ def l3_mixed(path: str, worker: int, seconds: float, universe: int, num_blocks: 
 
 if __name__ == "__main__":
     cmd, args = sys.argv[1], json.loads(sys.argv[2])
-    result = {"shm": shm_exchange, "l3_lookup": l3_lookup, "l3_save": l3_save}[cmd](**args)
+    result = {"shm": shm_exchange, "l3_lookup": l3_lookup, "l3_save": l3_save, "l3_fill": l3_fill}[cmd](**args)
     print(json.dumps(result))
     sys.stdout.flush()
     os._exit(0)

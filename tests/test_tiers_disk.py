@@ -233,3 +233,25 @@ def test_disk_full_fails_puts_gracefully(small_tmpfs):
     assert hook.count("index") == before + (2 if tier.used == len(stored) else 0)
     assert read_ok(tier, stored[2:]) == [True] * (len(stored) - 2)
     tier.close()
+
+
+def test_blocks_past_this_process_capacity_written_by_a_larger_opener_are_read_not_destroyed(tmp_path):
+    import json
+    import sys
+
+    hook = Hook()
+    small = DiskTier(tmp_path / "l3", LAYOUT, 4, on_failure=hook)
+    mine = put_keys(small, ["m0", "m1"])
+    # Another process opens the same directory with 12 slots and fills slots 2..9.
+    labels = [f"big{i}" for i in range(8)]
+    worker = str(Path(__file__).parent / "_workers.py")
+    out = subprocess.run([sys.executable, worker, "l3_fill", json.dumps(
+        {"path": str(tmp_path / "l3"), "capacity": 12, "labels": labels})], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["slots"] == list(range(10))
+    theirs = [key_of("disk", label) for label in labels]
+    assert read_ok(small, mine + theirs) == [True] * 10
+    assert read_ok(small, theirs, aligned=False) == [True] * 8
+    assert hook.calls == [] and small.used == 10
+    assert small.capacity == 12  # the directory's capacity, not this opener's
+    small.close()
