@@ -135,8 +135,12 @@ class Replayer:
             entries = [get(key) for key in keys[: len(tiers)]]
             pin(entries)
             touch(entries)
-            parent = None
-            for depth, key in enumerate(keys):
+            # One tier evicts leaves only, so nothing past the first miss is cached there:
+            # start at the miss. Across tiers a matched block may still need promoting.
+            start = 0 if multi else len(tiers)
+            parent = keys[start - 1] if start else None
+            for depth in range(start, len(keys)):
+                key = keys[depth]
                 entry = get(key)
                 if entry is None or not entry.mask & 1:
                     unpinned = entry is None or entry.ref_count == 0
