@@ -71,6 +71,14 @@ def test_multi_tier_demotes_victims_and_counts_hits_per_tier(tmp_path):
     assert 0 < timed.est_saved_prefill_s < timed.est_total_prefill_s
 
 
+def test_equal_ids_under_different_prefixes_are_different_blocks(tmp_path):
+    # Ids that name block contents only: "2" after "3" is not the "2" after "1".
+    requests = replay_tool.load_trace(write_trace(tmp_path / "t.jsonl", [[1, 2], [3, 2], [1, 2]]))
+    assert requests[0][1] != requests[1][1] and requests[0] == requests[2]
+    r = replay_tool.replay(requests, "lru", [10])
+    assert r.hit_rate == 2 / 6
+
+
 def test_bad_trace_line_names_file_and_line(tmp_path):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"hash_ids": [1]}\n{"input_length": 3}\n')

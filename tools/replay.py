@@ -64,17 +64,31 @@ class ReplayResult:
 
 
 def load_trace(path: str | Path) -> list[list[bytes]]:
-    """The trace's requests as chains of block keys (hash ids as 8-byte little-endian keys)."""
+    """The trace's requests as chains of block keys, one 8-byte key per block.
+
+    Keys are chained like tierkv's own hashes: a block's key names its whole
+    prefix (its id and its parent's key), so equal keys mean equal prefixes even
+    in a trace whose ids name block contents only. For Mooncake traces, whose ids
+    are already chained, this changes nothing.
+    """
     requests = []
+    chained: dict[tuple[int, int], bytes] = {}
     with open(path) as fh:
         for n, line in enumerate(fh, 1):
             if not line.strip():
                 continue
             try:
-                ids = json.loads(line)["hash_ids"]
-            except (ValueError, KeyError) as exc:
+                ids = [int(i) for i in json.loads(line)["hash_ids"]]
+            except (ValueError, KeyError, TypeError) as exc:
                 raise ValueError(f"{path}:{n}: expected a JSON object with 'hash_ids' ({exc})") from None
-            requests.append([int(i).to_bytes(8, "little", signed=True) for i in ids])
+            keys, parent = [], -1
+            for block_id in ids:
+                key = chained.get((parent, block_id))
+                if key is None:
+                    key = chained[(parent, block_id)] = len(chained).to_bytes(8, "little")
+                keys.append(key)
+                parent = int.from_bytes(key, "little")
+            requests.append(keys)
     return requests
 
 
