@@ -179,7 +179,7 @@ class MooncakePool:
         raw = open_backend(self.url, 5000, len(value))
         try:
             raw.delete([name])
-            ok = raw.write([name], lambda i, buf: buf.__setitem__(slice(None), value), len(value))
+            ok = raw.write([name], [value], [memoryview(b"")])
             assert ok == [True], f"planting {name} failed"
         finally:
             raw.close()

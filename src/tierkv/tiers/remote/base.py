@@ -37,7 +37,7 @@ import torch
 import xxhash
 
 from tierkv.layout import KVLayout
-from tierkv.tiers.base import Lineage, copy_block
+from tierkv.tiers.base import Lineage, as_bytes, copy_block
 
 MAGIC = b"TKV4"
 VERSION = 1
@@ -220,8 +220,8 @@ class RemoteBackend(Protocol):
 
     def exists(self, names: list[str]) -> list[bool]: ...
 
-    def write(self, names: list[str], fill: Callable[[int, memoryview], None], size: int) -> list[bool]:
-        """Store ``size``-byte values; ``fill(i, buf)`` writes value i into the buffer the client sends from."""
+    def write(self, names: list[str], headers: list[bytes], payloads: list[memoryview]) -> list[bool]:
+        """Store value i = ``headers[i] + payloads[i]``; the payloads stay unchanged until return."""
 
     def read(self, names: list[str], size: int, sink: Callable[[int, memoryview], None]) -> None:
         """Fetch values; ``sink(i, value)`` runs on the caller's thread for each one found (view valid only then).
@@ -306,13 +306,13 @@ class RemoteTier:
         if not keys:
             return []
         codec = self.codec
-        srcs = [b if b.is_contiguous() else b.contiguous() for b in blocks]
-
-        def fill(i: int, buf: memoryview) -> None:
-            codec.encode_into(keys[i], srcs[i], buf)
-
+        payloads = [as_bytes(b if b.is_contiguous() else b.contiguous()) for b in blocks]
+        for p in payloads:
+            if len(p) != codec.payload_bytes:
+                raise ValueError(f"l4 put: a {len(p)}-byte block for a layout of {codec.payload_bytes} bytes")
+        headers = [codec.header(k, p) for k, p in zip(keys, payloads)]
         names = [self.key_name(k) for k in keys]
-        ok = self._call("write", len(keys), self.backend.write, names, fill, codec.value_bytes)
+        ok = self._call("write", len(keys), self.backend.write, names, headers, payloads)
         if ok is _FAILED:
             return [False] * len(keys)
         if not all(ok):

@@ -174,18 +174,24 @@ class MooncakeBackend:
         for start in range(0, n, step):
             yield start, min(n, start + step)
 
-    def write(self, names: list[str], fill: Callable[[int, memoryview], None], size: int) -> list[bool]:
+    def write(self, names: list[str], headers: list[bytes], payloads: list[memoryview]) -> list[bool]:
         out: list[bool] = []
         for start, end in self._chunks(len(names)):
-            out.extend(self._run(self._write_chunk, names[start:end], start, fill, size))
+            out.extend(self._run(self._write_chunk, names[start:end], headers[start:end], payloads[start:end]))
         return out
 
-    def _write_chunk(self, names: list[str], start: int, fill, size: int) -> list[bool]:
-        ptrs = []
-        for j in range(len(names)):
-            fill(start + j, self._staging_view[j * size:(j + 1) * size])
-            ptrs.append(self._staging_ptr + j * size)
-        codes = self._store.batch_put_from(names, ptrs, [size] * len(names))
+    def _write_chunk(self, names: list[str], headers: list[bytes], payloads: list[memoryview]) -> list[bool]:
+        ptrs, sizes, offset = [], [], 0
+        for head, payload in zip(headers, payloads):
+            size = len(head) + len(payload)
+            if offset + size > len(self._staging):
+                raise ValueError(f"l4 put: a {size}-byte value does not fit the staging buffer")
+            self._staging_view[offset:offset + len(head)] = head
+            self._staging_view[offset + len(head):offset + size] = payload
+            ptrs.append(self._staging_ptr + offset)
+            sizes.append(size)
+            offset += self.value_bytes
+        codes = self._store.batch_put_from(names, ptrs, sizes)
         if codes and all(c == _RPC_FAIL for c in codes):
             raise RemoteUnavailable(f"put failed with code {_RPC_FAIL} (RPC_FAIL)")
         refused = sorted({c for c in codes if c not in (0, _OBJECT_ALREADY_EXISTS)})

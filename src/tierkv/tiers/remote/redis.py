@@ -8,13 +8,14 @@ namespaced by ``l4.key_prefix``; every batch is one pipelined round trip.
 
 Timeouts are redis-py's socket timeouts set to ``l4.timeout_ms`` and client
 retries are off, so a dead server costs one short timeout per call, after
-which the tier's breaker stops asking. Thread-safe: redis-py's connection
-pool hands each thread its own connection; write buffers are per thread.
+which the tier's breaker stops asking. Writes to a single server send each
+value as header + payload pieces on one connection (redis-py's packed-command
+API), so the block is never copied into one string. Thread-safe: redis-py's
+connection pool hands each call its own connection.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from urllib.parse import urlsplit, urlunsplit
 
@@ -60,7 +61,6 @@ class RedisBackend:
         else:
             self.client = redis.Redis.from_url(client_url, **common)
         self._errors = (redis.RedisError, OSError)
-        self._local = threading.local()
 
     def _pipeline(self):
         return self.client.pipeline(transaction=False)
@@ -82,21 +82,32 @@ class RedisBackend:
             out.append(bool(r))
         return out
 
-    def _buffers(self, n: int, size: int) -> list[bytearray]:
-        bufs = getattr(self._local, "bufs", None)
-        if bufs is None or (bufs and len(bufs[0]) != size):
-            bufs = self._local.bufs = []
-        while len(bufs) < n:
-            bufs.append(bytearray(size))
-        return bufs[:n]
+    def write(self, names: list[str], headers: list[bytes], payloads: list[memoryview]) -> list[bool]:
+        if self.cluster:
+            pipe = self._pipeline()
+            for name, head, payload in zip(names, headers, payloads):
+                pipe.set(name, b"".join((head, payload)))
+            return [r is True for r in self._execute(pipe)]
+        return self._write_gathered(names, headers, payloads)
 
-    def write(self, names: list[str], fill: Callable[[int, memoryview], None], size: int) -> list[bool]:
-        bufs = self._buffers(len(names), size)
-        pipe = self._pipeline()
-        for i, (name, buf) in enumerate(zip(names, bufs)):
-            fill(i, memoryview(buf))
-            pipe.set(name, buf)
-        return [r is True for r in self._execute(pipe)]
+    def _write_gathered(self, names: list[str], headers: list[bytes], payloads: list[memoryview]) -> list[bool]:
+        """SETs whose value goes out as header + payload pieces: the block is never copied into one string."""
+        chunks: list = []
+        for name, head, payload in zip(names, headers, payloads):
+            key = name.encode()
+            chunks.append(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(head) + len(payload)))
+            chunks += [head, payload, b"\r\n"]
+        pool = self.client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(chunks)
+            replies = [conn.read_response(disconnect_on_error=True) for _ in names]
+        except self._errors as exc:
+            conn.disconnect()
+            raise RemoteUnavailable(repr(exc)) from None
+        finally:
+            pool.release(conn)
+        return [r in (True, b"OK", "OK") for r in replies]
 
     def read(self, names: list[str], size: int, sink: Callable[[int, memoryview | None], None]) -> None:
         pipe = self._pipeline()

@@ -1,0 +1,270 @@
+"""L4 bandwidth through tierkv's remote tier against each backend's own client, in the same run.
+
+redis_raw_put/get_gbps     redis-py pipelines SET/GET of values of the same size (no header, no checks)
+redis_put/get_gbps         RemoteTier over redis:// (header + xxh3 checksum, MAC off; get verifies and copies into a block)
+mooncake_raw_put/get_gbps  MooncakeDistributedStore.batch_put_from / batch_get_into from a registered buffer
+mooncake_put/get_gbps      RemoteTier over mooncake:// (same checks as Redis)
+*_mac_put/get_gbps         the same tiers with l4.auth_key set (keyed BLAKE2b over every value)
+Target: each tierkv figure >= 0.85 x its raw twin (MAC off). Starts its own redis-server and
+mooncake_master + mooncake_client on loopback and stops them by pid.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+import torch  # noqa: E402
+from _common import parser, print_table, write_json  # noqa: E402
+
+from tierkv.config import L4Config  # noqa: E402
+from tierkv.layout import KVLayout  # noqa: E402
+from tierkv.tiers.remote import open_remote  # noqa: E402
+from tierkv.tiers.remote.base import HEADER_BYTES  # noqa: E402
+
+LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, block_size=16, dtype="float16")  # 512 KiB
+BATCH = 16
+VALUE = HEADER_BYTES + LAYOUT.block_bytes
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(argv: list[str], port: int, log: Path) -> subprocess.Popen:
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{argv[0]} exited: {log.read_text()[-1500:]}")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+            return proc
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{argv[0]} did not listen on {port}")
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for proc in reversed(procs):
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                os.kill(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def start_redis(work: Path, procs: list) -> str:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server is not installed: bash scripts/install-system-deps.sh")
+    port = free_port()
+    procs.append(start([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                        "--dir", str(work)], port, work / "redis.log"))
+    return f"redis://127.0.0.1:{port}/0"
+
+
+def start_mooncake(work: Path, procs: list, segment: int) -> tuple[str, str, str]:
+    import mooncake
+
+    pkg = Path(mooncake.__path__[0])
+    rpc, meta, metrics, pool = (free_port() for _ in range(4))
+    metadata = f"http://127.0.0.1:{meta}/metadata"
+    procs.append(start([str(pkg / "mooncake_master"), f"--rpc_port={rpc}", "--rpc_address=127.0.0.1",
+                        "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+                        f"--http_metadata_server_port={meta}", "--metrics_host=127.0.0.1",
+                        f"--metrics_port={metrics}"], rpc, work / "master.log"))
+    procs.append(start([str(pkg / "mooncake_client"), "--host=127.0.0.1", f"--port={pool}",
+                        f"--global_segment_size={segment}", f"--master_server_address=127.0.0.1:{rpc}",
+                        f"--metadata_server={metadata}", "--protocol=tcp"], pool, work / "pool.log"))
+    url = f"mooncake://127.0.0.1:{rpc}?metadata={metadata}&protocol=tcp&local=127.0.0.1"
+    return url, metadata, f"127.0.0.1:{rpc}"
+
+
+class RawRedis:
+    """redis-py moving prebuilt values of VALUE bytes, pipelined per batch like the tier."""
+
+    def __init__(self, url: str, values: list[bytes]) -> None:
+        import redis
+
+        self.client = redis.Redis.from_url(url, socket_timeout=30)
+        self.values = values
+
+    def put(self, names: list[str]) -> None:
+        for s in range(0, len(names), BATCH):
+            pipe = self.client.pipeline(transaction=False)
+            for name, value in zip(names[s:s + BATCH], self.values[s:s + BATCH]):
+                pipe.set(name, value)
+            assert all(pipe.execute())
+
+    def get(self, names: list[str]) -> None:
+        for s in range(0, len(names), BATCH):
+            pipe = self.client.pipeline(transaction=False)
+            for name in names[s:s + BATCH]:
+                pipe.get(name)
+            assert all(v is not None and len(v) == VALUE for v in pipe.execute())
+
+    def delete(self, names: list[str]) -> None:
+        self.client.delete(*names)
+
+
+class RawMooncake:
+    """MooncakeDistributedStore moving VALUE-byte values from one registered buffer, per batch like the tier."""
+
+    def __init__(self, metadata: str, master: str) -> None:
+        import mmap
+
+        import numpy as np
+        from mooncake.store import MooncakeDistributedStore
+
+        self.store = MooncakeDistributedStore()
+        rc = self.store.setup("127.0.0.1", metadata, 0, 16 << 20, "tcp", "", master)
+        if rc != 0:
+            raise RuntimeError(f"mooncake setup failed: {rc}")
+        self.buf = mmap.mmap(-1, BATCH * VALUE)
+        arr = np.frombuffer(self.buf, dtype=np.uint8)
+        arr[:] = np.random.default_rng(0).integers(0, 255, arr.size, dtype=np.uint8)
+        self.ptr = arr.ctypes.data
+        assert self.store.register_buffer(self.ptr, BATCH * VALUE) == 0
+
+    def _batches(self, names: list[str]):
+        for s in range(0, len(names), BATCH):
+            chunk = names[s:s + BATCH]
+            yield chunk, [self.ptr + j * VALUE for j in range(len(chunk))], [VALUE] * len(chunk)
+
+    def put(self, names: list[str]) -> None:
+        for chunk, ptrs, sizes in self._batches(names):
+            assert all(c == 0 for c in self.store.batch_put_from(chunk, ptrs, sizes))
+
+    def get(self, names: list[str]) -> None:
+        for chunk, ptrs, sizes in self._batches(names):
+            assert all(c == VALUE for c in self.store.batch_get_into(chunk, ptrs, sizes))
+
+    def delete(self, names: list[str]) -> None:
+        self.store.batch_remove(names, True)
+
+    def close(self) -> None:
+        self.store.unregister_buffer(self.ptr)
+        self.store.close()
+
+
+class TierRun:
+    """The same traffic through RemoteTier (what the store's L4 does)."""
+
+    def __init__(self, url: str, blocks: torch.Tensor, auth_key: str = "") -> None:
+        prefix = "bench-mac" if auth_key else "bench-tier"
+        self.tier = open_remote(L4Config(url=url, timeout_ms=30_000, key_prefix=prefix, auth_key=auth_key), LAYOUT)
+        self.blocks = blocks
+        self.dst = torch.empty_like(blocks)
+        self.keys = [i.to_bytes(16, "little") for i in range(len(blocks))]
+
+    def put(self) -> None:
+        for s in range(0, len(self.keys), BATCH):
+            assert all(self.tier.put(self.keys[s:s + BATCH], list(self.blocks[s:s + BATCH])))
+
+    def get(self) -> None:
+        for s in range(0, len(self.keys), BATCH):
+            assert all(self.tier.get(self.keys[s:s + BATCH], list(self.dst[s:s + BATCH])))
+
+    def delete(self) -> None:
+        self.tier.remove(self.keys)
+
+    def check(self) -> None:
+        assert torch.equal(self.dst.view(torch.int16), self.blocks.view(torch.int16)), "tier returned wrong bytes"
+
+
+def timed(fn, *args) -> float:
+    t0 = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - t0
+
+
+def measure(name: str, raw, tiers: dict[str, TierRun], n: int, reps: int) -> dict[str, float]:
+    """Rounds of put then get by raw, tier and tier+MAC; the best round per figure.
+
+    The order rotates every round, so none of them always writes first into
+    memory the server just freed. Best, not median: on a shared host the other
+    tenants' load only ever adds time.
+    """
+    names = [f"bench-raw/{i}" for i in range(n)]
+    runs = [("raw_", raw.put, raw.get, lambda: raw.delete(names))]
+    runs += [(label, run.put, run.get, run.delete) for label, run in tiers.items()]
+    times: dict[str, list[float]] = {}
+    for rep in range(reps):
+        order = runs[rep % len(runs):] + runs[:rep % len(runs)]
+        for label, put, _, _ in order:
+            times.setdefault(f"{label}put", []).append(timed(put, names) if label == "raw_" else timed(put))
+        for label, _, get, _ in order:
+            times.setdefault(f"{label}get", []).append(timed(get, names) if label == "raw_" else timed(get))
+        for run in tiers.values():
+            run.check()
+        for _, _, _, delete in order:
+            delete()
+    nbytes = n * LAYOUT.block_bytes
+    return {f"{name}_{k}_gbps": nbytes / min(v) / 1e9 for k, v in times.items()}
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    n = 64 if args.quick else 256
+    reps = 7 if args.quick else 15
+    blocks = torch.empty((n, *LAYOUT.block_shape), dtype=LAYOUT.torch_dtype)
+    blocks.view(torch.int16).random_(-30000, 30000)
+    values = [bytes(os.urandom(VALUE)) for _ in range(n)]
+    figures: dict[str, float] = {}
+    procs: list[subprocess.Popen] = []
+    work = Path(tempfile.mkdtemp(prefix="tierkv-bench-remote-"))
+    started = time.perf_counter()
+    try:
+        url = start_redis(work, procs)
+        tiers = {"": TierRun(url, blocks), "mac_": TierRun(url, blocks, "bench-key")}
+        figures.update(measure("redis", RawRedis(url, values), tiers, n, reps))
+        murl, metadata, master = start_mooncake(work, procs, max(64 << 20, 4 * n * VALUE))
+        raw = RawMooncake(metadata, master)
+        tiers = {"": TierRun(murl, blocks), "mac_": TierRun(murl, blocks, "bench-key")}
+        figures.update(measure("mooncake", raw, tiers, n, reps))
+        for run in tiers.values():
+            run.tier.close()
+        raw.close()
+    finally:
+        stop(procs)
+        shutil.rmtree(work, ignore_errors=True)
+    rows = []
+    for backend in ("redis", "mooncake"):
+        for op in ("put", "get"):
+            raw_v = figures[f"{backend}_raw_{op}_gbps"]
+            tier_v = figures[f"{backend}_{op}_gbps"]
+            mac_v = figures[f"{backend}_mac_{op}_gbps"]
+            figures[f"{backend}_{op}_ratio"] = tier_v / raw_v
+            figures[f"{backend}_mac_{op}_ratio"] = mac_v / raw_v
+            rows.append((f"{backend}_raw_{op}_gbps", f"{raw_v:.3f}", "backend's own client"))
+            verdict = "ok" if tier_v >= 0.85 * raw_v else "BELOW target"
+            rows.append((f"{backend}_{op}_gbps", f"{tier_v:.3f}", f"{tier_v / raw_v:.2f} x raw (target >= 0.85: {verdict})"))
+            rows.append((f"{backend}_mac_{op}_gbps", f"{mac_v:.3f}", f"{mac_v / raw_v:.2f} x raw with the MAC on"))
+    figures["value_bytes"] = VALUE
+    figures["values_per_round"] = n
+    figures["batch"] = BATCH
+    figures["seconds"] = time.perf_counter() - started
+    print_table(f"L4 remote tier, {n} values of {LAYOUT.block_bytes >> 10} KiB (+{HEADER_BYTES} B header), "
+                f"batches of {BATCH}, best of {reps} interleaved rounds", rows)
+    write_json(args.json, figures)
+
+
+if __name__ == "__main__":
+    main()
