@@ -229,12 +229,12 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send_json(self, status: int, body: dict, endpoint: str) -> None:
         data = json.dumps(body).encode()
+        self.app.count(endpoint, status)  # before the reply: a client that reads it then /metrics sees it counted
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
-        self.app.count(endpoint, status)
 
     def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
         """Errors raised by the HTTP parser itself (bad request line, headers) as JSON too."""
@@ -337,13 +337,13 @@ class _Handler(BaseHTTPRequestHandler):
         raise RequestError(405, f"method {self.command} not allowed on {self.path}", code="method_not_allowed")
 
     def _metrics(self) -> None:
+        self.app.count("metrics", 200)
         data = self.app.metrics_text()
         self.send_response(200)
         self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
-        self.app.count("metrics", 200)
 
     def _complete(self, chat: bool) -> None:
         endpoint = "chat" if chat else "completions"

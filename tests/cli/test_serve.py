@@ -16,11 +16,9 @@ import pytest
 MAX_BODY = 64 * 1024
 
 
-@pytest.fixture(scope="module")
-def server(tiny_model, tmp_path_factory):
-    cache = tmp_path_factory.mktemp("serve-cache")
+def start_server(model, cache):
     env = {**os.environ, "TIERKV_L3_CAPACITY": "4MiB"}
-    proc = subprocess.Popen([sys.executable, "-m", "tierkv.cli", "serve", "--model", str(tiny_model), "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "tierkv.cli", "serve", "--model", str(model), "--port", "0",
                              "--max-body", str(MAX_BODY), "--max-model-len", "1024", "--threads", "1",
                              "--cache-dir", str(cache)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
@@ -28,8 +26,18 @@ def server(tiny_model, tmp_path_factory):
     if not m:
         proc.kill()
         pytest.fail(f"serve did not start: {line!r} {proc.stderr.read()}")
-    host, port = m.group(1), int(m.group(2))
-    yield host, port
+    return proc, (m.group(1), int(m.group(2)))
+
+
+@pytest.fixture(scope="module")
+def serve_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("serve-cache")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model, serve_cache):
+    proc, address = start_server(tiny_model, serve_cache)
+    yield address
     proc.terminate()
     assert proc.wait(timeout=30) == 0
 
@@ -145,10 +153,12 @@ def test_malformed_requests_get_4xx_json_and_the_server_keeps_serving(server):
         status, out = request(server, method, path, None if raw is not None else body, raw=raw, headers=headers)
         assert status == want, (path, body if not isinstance(body, dict) else list(body), status, out)
         assert isinstance(out, dict) and isinstance(out["error"]["message"], str), out
-    # a request line that is not HTTP at all, and a body that never comes
+    # a request line that is not HTTP at all
     with socket.create_connection(server, timeout=10) as s:
         s.sendall(b"GARBAGE\r\n\r\n")
-        reply = s.recv(4096)
+        reply = b""
+        while chunk := s.recv(4096):  # the server closes the connection after an error
+            reply += chunk
     assert reply.startswith(b"HTTP/1.0 400") and b'"error"' in reply
     status, out = request(server, "POST", "/v1/completions", {"prompt": "still here?", "max_tokens": 2})
     assert status == 200 and out["usage"]["completion_tokens"] == 2
@@ -162,3 +172,16 @@ def test_info_reads_a_running_server(server):
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
     assert info["tiers"]["l1"]["capacity_blocks"] == 1024 and info["totals"]["tierkv_lookups_total"] >= 1
+
+
+def test_a_second_server_process_hits_what_the_first_persisted(server, tiny_model, serve_cache):
+    prompt = list(range(100, 150))  # 3 full blocks before the last token
+    status, out = request(server, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 2, "namespace": "r"})
+    assert status == 200 and out["tierkv"]["hit_tokens"]["l3"] == 0
+    proc, second = start_server(tiny_model, serve_cache)
+    try:
+        status, out = request(second, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": 2, "namespace": "r"})
+        assert status == 200 and out["tierkv"]["hit_tokens"]["l3"] == 48
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -31,19 +31,24 @@ def open_llm(s, model: Path, num_blocks: int, threads: int, max_model_len: int =
 
 
 class Recorder:
-    """Labels chains with their namespace and counts their hits in the L3 catalog (no-op without L3)."""
+    """After each request: label its chain's namespace and count its hits in the L3 catalog, and with
+    ``persist`` copy the blocks of its prompt and answer to L3 so a restarted process finds them.
+    A no-op without L3."""
 
-    def __init__(self, llm) -> None:
+    def __init__(self, llm, persist: bool = False) -> None:
         self.llm = llm
+        self.persist = persist
         self.catalog = Catalog(llm.store.config.l3.path) if llm.store.l3 is not None else None
 
     def __call__(self, prompt_ids: list[int], out, namespace: str | None) -> None:
         if self.catalog is None:
             return
-        keys = self.llm.store.hash(prompt_ids, namespace)
-        ns = self.llm.store.config.namespace if namespace is None else namespace
-        self.catalog.label(keys[:1], ns)
-        self.catalog.count_hits(keys[: sum(out.hit_tokens.values()) // self.llm.store.block_size])
+        store = self.llm.store
+        keys = store.hash(list(prompt_ids) + list(out.token_ids), namespace)
+        if self.persist:
+            store.persist(keys)
+        self.catalog.label(keys[:1], store.config.namespace if namespace is None else namespace)
+        self.catalog.count_hits(keys[: sum(out.hit_tokens.values()) // store.block_size])
 
     def close(self) -> None:
         if self.catalog is not None:
@@ -150,6 +155,8 @@ def serve_cmd(
     num_blocks: Annotated[int, typer.Option("--num-blocks", min=1, help="L1 pool size in blocks.")] = 1024,
     max_model_len: Annotated[int, typer.Option("--max-model-len", min=0, help="Longest sequence (0: the model's).")] = 0,
     threads: Threads = 0,
+    persist: Annotated[bool, typer.Option("--persist/--no-persist", help="Copy each request's blocks to L3 as it "
+                                          "finishes, so a restarted server hits them.")] = True,
     cache_dir: CacheDir = None, config: ConfigFile = None, debug: Debug = False,
 ) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API with /metrics (Prometheus) and /health."""
@@ -161,7 +168,7 @@ def serve_cmd(
     except ValueError as exc:
         raise CLIError(str(exc), 2) from None
     llm = open_llm(s, model, num_blocks, threads, max_model_len)
-    recorder = Recorder(llm)
+    recorder = Recorder(llm, persist)
     name = served_model_name or model.resolve().name
     try:
         server = EngineServer(llm, ServerConfig(host, port, name, body_limit, max_tokens), on_request=recorder)
