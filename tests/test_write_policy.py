@@ -86,3 +86,12 @@ def test_a_persisted_block_survives_l1_eviction_without_a_second_copy(make_store
     store.flush()
     assert tiers_of(store, keys) == ["23", "23"]
     assert store.stats()["bytes"]["l2_write"] == written + 2 * layout.block_bytes  # only the new chain
+
+
+def test_write_through_takes_blocks_put_from_outside_l1_on_to_l3(make_store, layout):
+    store = make_store(l1=0, l2=4, l3=8, policy=PolicyConfig(write="write_through"))  # vLLM's case: no L1
+    keys = store.hash(prompt(8, 2, layout))
+    assert store.put_blocks(keys, [block_for(k, layout) for k in keys]) == [True, True]
+    store.flush()
+    assert tiers_of(store, keys) == ["23", "23"]
+    assert same_bytes(read_back(store, keys[1], Tier.L3), block_for(keys[1], layout))

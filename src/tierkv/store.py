@@ -551,6 +551,8 @@ class TierKVStore:
                     continue
                 probe = Entry(key, keys[i - 1] if i else None, i)
                 out.append(tier is not None and self._put_lower(probe, tier, block))
+                if out[-1] and self.config.policy.write == "write_through" and tier != Tier.L4:
+                    self._persist_async([self.index.get(key)])  # on down to L3
         return out
 
     def release(self, m: Match) -> None:
