@@ -13,6 +13,8 @@ only read while the store pins the block, so copies run outside the lock.
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import mmap
 import os
 import struct
@@ -25,6 +27,7 @@ import xxhash
 from tierkv.layout import KVLayout
 from tierkv.tiers.base import Lineage, _memmove, as_bytes, copy_block
 
+log = logging.getLogger("tierkv")
 _SHARED_REC = struct.Struct("<IQ")  # slot, checksum
 
 
@@ -50,10 +53,21 @@ class HostTier:
             path = f"/dev/shm/tierkv-{shared_name}"
             fd = os.open(path + ".slab", os.O_RDWR | os.O_CREAT, 0o600)
             try:
-                if os.fstat(fd).st_size < nbytes:
+                # The first opener sizes the slab; later ones map it as it is, whatever they
+                # asked for: another process's slots past a smaller mapping would be read and
+                # written out of bounds. The lock orders racing creators.
+                fcntl.flock(fd, fcntl.LOCK_EX)
+                size = os.fstat(fd).st_size
+                if size < layout.block_bytes:
                     os.ftruncate(fd, nbytes)
+                elif size // layout.block_bytes != num_blocks:
+                    log.warning("tierkv l2: shared slab %s holds %d blocks; using it as is (asked for %d)",
+                                shared_name, size // layout.block_bytes, num_blocks)
+                    num_blocks = self._capacity = size // layout.block_bytes
+                    nbytes = num_blocks * layout.block_bytes
                 self._mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED)
             finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)  # explicitly: the mmap keeps the file open
                 os.close(fd)
             self._slots = _SharedSlots(path + ".lmdb", num_blocks)
         else:
