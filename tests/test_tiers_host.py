@@ -128,3 +128,15 @@ def test_shared_slab_full_and_overwritten_bytes_are_misses(shm_name):
     dst = torch.empty(LAYOUT.block_shape, dtype=LAYOUT.torch_dtype)
     assert tier.get([ks[0]], [dst]) == [False]
     assert tier.get([ks[1]], [dst]) == [True] and same_bytes(dst, block_for(ks[1], LAYOUT))
+
+
+def test_later_openers_use_the_shared_slab_as_the_first_sized_it(shm_name):
+    small = HostTier(LAYOUT, 2, shared_name=shm_name, pin=False)
+    # Another process asks for 8 blocks: it must not hand out slots this process cannot map.
+    other = run_worker("shm", name=shm_name, capacity=8, expect=[], put=["p0", "p1", "p2"])
+    assert other["written"] == [True, True, False] and other["used"] == 2
+    assert small.capacity == 2 and small.used == 2
+    dst = torch.empty(LAYOUT.block_shape, dtype=LAYOUT.torch_dtype)
+    for label in ("p0", "p1"):
+        assert small.get(keys(label), [dst]) == [True] and same_bytes(dst, block_for(keys(label)[0], LAYOUT))
+    small.close()
