@@ -74,55 +74,36 @@ def run_pass(plan: dict, emit) -> dict:
 
     from tierkv.catalog import Catalog
     from tierkv.config import StoreConfig
-    from tierkv.engine import LLM, EngineConfig, SamplingParams
+    from tierkv.engine import LLM, EngineConfig
     from tierkv.engine.loader import read_config
     from tierkv.engine.tokenizer import Tokenizer
 
     torch.set_num_threads(1)
     work = Workload(**plan["workload"])
-    store_cfg = StoreConfig.from_dict(plan["store_config"])
     started = time.perf_counter()
     tok = Tokenizer(plan["model"], read_config(plan["model"]).vocab_size)
     sys_ids = tok.encode(system_prompt(work.system_tokens))[: work.system_tokens]
     longest = len(sys_ids) + work.turns * (len(tok.encode(user_message(0, 0))) + 8 + work.max_tokens)
-    block = EngineConfig().block_size
     # L1 holds the longest conversation and a little more, so other users' blocks demote to L2.
-    num_blocks = -(-longest // block) + 2
+    num_blocks = -(-longest // EngineConfig().block_size) + 2
     engine_cfg = EngineConfig(num_blocks=num_blocks, num_threads=1, max_model_len=longest + 64)
-    cached = LLM(plan["model"], store_cfg, engine_cfg)
+    cached = LLM(plan["model"], StoreConfig.from_dict(plan["store_config"]), engine_cfg)
     nocache = LLM(plan["model"], None, engine_cfg, enable_cache=False)
     load_s = time.perf_counter() - started
     catalog = Catalog(Path(cached.store.config.l3.path)) if cached.store.l3 is not None else None
-    params = SamplingParams(max_tokens=work.max_tokens)
-    first = SamplingParams(max_tokens=1)
-    for llm in (cached, nocache):  # first-call overheads out of the measurement; < 1 block, so nothing is cached
-        llm.generate([sys_ids[:block - 1]], first, namespace=NAMESPACE + "-warmup")
     history = {u: list(sys_ids) for u in range(work.users)}
-    turns = []
-    written = 0
+    turns, written = [], 0
     try:
+        _warm_up(cached, nocache, sys_ids)
         for turn in range(work.turns):
             for user in range(work.users):
                 prompt = history[user] + tok.encode(user_message(user, turn))
-                t0 = time.perf_counter()
-                out = cached.generate([prompt], params, namespace=NAMESPACE)[0]
-                elapsed = time.perf_counter() - t0
-                keys = cached.store.hash(prompt + out.token_ids, NAMESPACE)
-                written += cached.store.persist(keys)
-                if catalog is not None:
-                    catalog.label(keys[:1], NAMESPACE)
-                    catalog.count_hits(keys[: sum(out.hit_tokens.values()) // block])
-                ref = nocache.generate([prompt], first)[0]
-                row = {
-                    "user": user + 1, "turn": turn + 1, "prompt_tokens": len(prompt),
-                    "hit_tokens": {t: out.hit_tokens.get(t, 0) for t in TIER_NAMES},
-                    "ttft_cached_ms": round(out.ttft_s * 1e3, 2), "ttft_nocache_ms": round(ref.ttft_s * 1e3, 2),
-                    "tokens_per_s": round((len(out.token_ids) - 1) / max(elapsed - out.ttft_s, 1e-6), 1),
-                    "first_token_match": out.token_ids[:1] == ref.token_ids[:1],
-                }
+                row, answer, n = _turn(cached, nocache, catalog, prompt, work.max_tokens)
+                row = {"user": user + 1, "turn": turn + 1, **row}
                 turns.append(row)
+                written += n
                 emit({"event": "turn", **row})
-                history[user] = prompt + out.token_ids
+                history[user] = prompt + answer
     finally:
         if catalog is not None:
             catalog.close()
@@ -130,6 +111,37 @@ def run_pass(plan: dict, emit) -> dict:
         cached.close()
         nocache.close()
     return summarize(turns, load_s, written, stats, cached.layout.to_dict(), cached.store.config.model_id)
+
+
+def _warm_up(cached, nocache, ids: list[int]) -> None:
+    """Take first-call overheads out of the measurement; under one block, so nothing gets cached."""
+    from tierkv.engine import SamplingParams
+
+    for llm in (cached, nocache):
+        llm.generate([ids[: llm.store.block_size - 1]], SamplingParams(max_tokens=1), namespace=NAMESPACE + "-warmup")
+
+
+def _turn(cached, nocache, catalog, prompt: list[int], max_tokens: int) -> tuple[dict, list[int], int]:
+    """One turn: timed with the cache, persisted to L3, then timed to first token with the cache disabled."""
+    from tierkv.engine import SamplingParams
+
+    t0 = time.perf_counter()
+    out = cached.generate([prompt], SamplingParams(max_tokens=max_tokens), namespace=NAMESPACE)[0]
+    elapsed = time.perf_counter() - t0
+    keys = cached.store.hash(prompt + out.token_ids, NAMESPACE)
+    written = cached.store.persist(keys)
+    if catalog is not None:
+        catalog.label(keys[:1], NAMESPACE)
+        catalog.count_hits(keys[: sum(out.hit_tokens.values()) // cached.store.block_size])
+    ref = nocache.generate([prompt], SamplingParams(max_tokens=1))[0]
+    row = {
+        "prompt_tokens": len(prompt),
+        "hit_tokens": {t: out.hit_tokens.get(t, 0) for t in TIER_NAMES},
+        "ttft_cached_ms": round(out.ttft_s * 1e3, 2), "ttft_nocache_ms": round(ref.ttft_s * 1e3, 2),
+        "tokens_per_s": round((len(out.token_ids) - 1) / max(elapsed - out.ttft_s, 1e-6), 1),
+        "first_token_match": out.token_ids[:1] == ref.token_ids[:1],
+    }
+    return row, out.token_ids, written
 
 
 def summarize(turns: list[dict], load_s: float, written: int, stats: dict, layout: dict, model_id: str) -> dict:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import sys
 from dataclasses import dataclass
@@ -119,7 +118,3 @@ def repo_root() -> Path | None:
     """The source checkout this package runs from (for bench/ scripts), if any."""
     root = Path(__file__).resolve().parents[3]
     return root if (root / "pyproject.toml").exists() else None
-
-
-def env_flag(name: str) -> bool:
-    return os.environ.get(name, "").lower() in ("1", "true", "yes")
