@@ -233,8 +233,12 @@ class _SharedSlots:
 
     def reserve(self, key: bytes) -> tuple[int | None, bool]:
         with self._env.begin(write=True) as txn:
-            if txn.get(key, db=self._keys) is not None:
-                return _SHARED_REC.unpack(txn.get(key, db=self._keys))[0], False
+            raw = txn.get(key, db=self._keys)
+            if raw is not None:
+                slot, checksum = _SHARED_REC.unpack(raw)
+                # Checksum 0: reserved but never committed (its writer may have died);
+                # writing the key's bytes again is safe, they are the same bytes.
+                return slot, checksum == 0
             cur = txn.cursor(db=self._free)
             if cur.first():
                 slot = struct.unpack(">I", cur.key())[0]
