@@ -140,3 +140,15 @@ def test_later_openers_use_the_shared_slab_as_the_first_sized_it(shm_name):
     for label in ("p0", "p1"):
         assert small.get(keys(label), [dst]) == [True] and same_bytes(dst, block_for(keys(label)[0], LAYOUT))
     small.close()
+
+
+def test_a_slot_reserved_by_a_writer_that_died_is_written_again(shm_name):
+    tier = HostTier(LAYOUT, 2, shared_name=shm_name, pin=False)
+    (k,) = keys("orphan")
+    tier._slots.reserve(k)  # what a writer killed between reserve and commit leaves behind
+    dst = torch.empty(LAYOUT.block_shape, dtype=LAYOUT.torch_dtype)
+    assert tier.get([k], [dst]) == [False]
+    assert tier.put([k], [block_for(k, LAYOUT)]) == [True]
+    assert tier.get([k], [dst]) == [True] and same_bytes(dst, block_for(k, LAYOUT))
+    assert tier.used == 1
+    tier.close()
