@@ -86,21 +86,23 @@ def local_info(s) -> dict:
 
 
 def _probe_l4(cfg, layout) -> dict:
+    """Reachability and description of the L4 pool: one membership probe through the real tier."""
+    failures: list[str] = []
     try:
         from tierkv.tiers.remote import open_remote
 
-        remote = open_remote(cfg.l4, layout, lambda *a: None)
-    except Exception as exc:  # a dead or unsupported pool is something to report, not a crash
+        remote = open_remote(cfg.l4, layout, lambda tier, reason, n, detail: failures.append(f"{reason}: {detail}"))
+    except (ValueError, ImportError) as exc:
         return {"reachable": False, "error": str(exc)}
-    out = {"reachable": True}
-    for name in ("used", "capacity"):
-        try:
-            out[f"{name}_blocks"] = getattr(remote, name)
-        except Exception as exc:  # backends may not count; say so
-            out[f"{name}_blocks"] = f"unknown ({exc})"
-    close = getattr(remote, "close", None)
-    if close is not None:
-        close()
+    try:
+        remote.contains([bytes(16)])
+        stats = remote.stats()
+    finally:
+        remote.close()
+    out = {k: v for k, v in stats.items() if k in ("backend", "protocol", "breaker", "authenticated")}
+    out["reachable"] = not failures
+    if failures:
+        out["error"] = failures[0]
     return out
 
 
@@ -151,8 +153,9 @@ def info_cmd(
     else:
         table.add_row("l3", l3["where"], human_bytes(l3["capacity_bytes"]), "not created yet")
     l4 = tiers["l4"]
-    table.add_row("l4", l4["where"] + (f" ({l4['error']})" if "error" in l4 else ""),
-                  str(l4.get("capacity_blocks", "-")), str(l4.get("used_blocks", "-")))
+    state = "" if l4["where"] == "(none)" else (f" ({l4.get('backend', '?')}, reachable)" if l4.get("reachable")
+                                                 else f" (unreachable: {l4.get('error', '?')})")
+    table.add_row("l4", l4["where"] + state, "pool-managed" if state else "-", "-")
     console.print(table)
     if l3["present"]:
         console.print(f"l3 holds model {l3['model_id']}@{l3['model_revision']}; {l3['hits_recorded']} block hits "
