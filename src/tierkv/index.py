@@ -32,6 +32,7 @@ LOCAL_TIERS = (Tier.L1, Tier.L2, Tier.L3)
 MISS = -1
 # Lowest set bit of a 3-bit tier mask, i.e. the fastest tier holding a block.
 _BEST = (MISS, 0, 1, 0, 2, 0, 1, 0)
+_L1 = int(Tier.L1)
 
 
 class Entry:
@@ -146,9 +147,12 @@ class PrefixIndex:
             if parent_entry is None:
                 parent_entry = self._uncached_parents[parent] = Entry(parent, None, max(depth - 1, 0))
             parent_entry.children[tier] += 1
-            if parent_entry.children[tier] == 1:
-                self._unlist(parent_entry, tier)
-        self._relist(entry, tier)
+            if parent_entry.children[tier] == 1 and parent_entry.handles[tier] is not None:
+                self.policies[tier].discard(parent_entry)  # _unlist, inlined (hot path)
+        if entry.ref_count == 0 and not entry.children[tier]:  # _relist, inlined
+            policy = self.policies[tier]
+            if policy is not None:
+                policy.add(entry)
         return entry
 
     def drop(self, key: bytes, tier: int) -> Entry | None:
@@ -156,10 +160,11 @@ class PrefixIndex:
         entry = self._entries.get(key)
         if entry is None or not entry.mask >> tier & 1:
             return None
-        self._unlist(entry, tier)
+        if entry.handles[tier] is not None:
+            self.policies[tier].discard(entry)
         entry.mask &= ~(1 << tier)
         entry.best = _BEST[entry.mask]
-        if tier == Tier.L1:
+        if tier == _L1:
             entry.l1_slot = None
         self.counts[tier] -= 1
         if entry.parent is not None:
