@@ -129,8 +129,11 @@ class LLM:
         seq = self._sequence(prompt, params or SamplingParams(), namespace)
         self.scheduler.add(seq)
         try:
+            sent = 0
             while not seq.is_finished:
-                if seq in self.step():
+                self.step()
+                if len(seq.output_ids) > sent or seq.is_finished:
+                    sent = len(seq.output_ids)
                     yield self._output(seq)
         except GeneratorExit:  # the consumer stopped early: drop this request only
             self.scheduler.abort(seq)

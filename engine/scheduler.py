@@ -67,12 +67,15 @@ class Scheduler:
                 i += 1
                 continue
             while not self.kv.ensure_slots(seq, seq.num_computed + n):
+                if len(self.running) == 1 and not self.loading:
+                    self._out_of_room(seq)  # alone and still no room: L1 cannot hold it
+                    break
                 preempted = True
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
-            if seq.state is SeqState.WAITING:
+            if seq.state is not SeqState.RUNNING:
                 break
             batch.append(Scheduled(seq, n))
             budget -= n
@@ -103,6 +106,12 @@ class Scheduler:
             return min(left, budget)
         # Unchunked: a prompt that does not fit waits, unless it would run alone.
         return 0 if others else left
+
+    def _out_of_room(self, seq: Sequence) -> None:
+        """End a sequence that outgrew the whole L1 pool with what it has ("length")."""
+        self.running.remove(seq)
+        self.kv.release(seq)
+        seq.state, seq.finish_reason = SeqState.FINISHED, "length"
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

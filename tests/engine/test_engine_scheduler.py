@@ -136,3 +136,14 @@ def test_stream_closed_early_returns_its_blocks(make_llm, reference):
     stream.close()
     assert llm.store.l1.num_free == 128 and not llm.scheduler.has_work()
     assert [o.token_ids for o in llm.generate(prompts(6), LONG)] == reference
+
+
+def test_a_request_that_outgrows_l1_ends_with_length(make_llm, reference):
+    # 4 blocks hold the K/V of 64 tokens; the 65th is sampled from them and needs no slot.
+    llm = make_llm(enable_cache=False, num_blocks=4)
+    prompt = prompts(1)[0][:32]
+    out = llm.generate([prompt], SamplingParams(max_tokens=100, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 64 - 32 + 1
+    streamed = list(llm.stream(prompt, SamplingParams(max_tokens=100, ignore_eos=True)))
+    assert streamed[-1].finish_reason == "length" and streamed[-1].token_ids == out.token_ids
+    assert llm.store.l1.num_free == 4
