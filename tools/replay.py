@@ -124,8 +124,11 @@ class Replayer:
         while counts[tier] >= cap and self._evict(tier):
             pass
 
-    def run(self, requests: list[list[bytes]], weights: list[float], multi: bool) -> tuple[list[int], float]:
-        """Replay; returns (hit blocks per tier, Σ weight of hit blocks). Only this loop is timed."""
+    def run(self, requests: list[list[bytes]], weights: list[float], multi: bool) -> tuple[list[int], float, float]:
+        """Replay; returns (hit blocks per tier, Σ weight of hit blocks, cost model's saved µs).
+
+        Only this loop is timed. The saved µs are added up in multi-tier mode only.
+        """
         index, cost = self.index, self.cost
         match, get, add = index.match, index._entries.get, index.add
         pin, unpin, touch = index.pin, index.unpin, index.touch
@@ -134,11 +137,12 @@ class Replayer:
         counts = index.counts
         pop, drop = index.policies[top].pop, index.drop
         hits = [0, 0, 0]
-        saved = 0.0
+        saved = saved_us = 0.0
         for keys in requests:
             tiers = match(keys)
             if multi:
                 tiers = tiers[: cost.cut(tiers)]
+                saved_us += cost.saved_us(tiers)
                 for t in tiers:
                     hits[t] += 1
             else:
@@ -175,7 +179,7 @@ class Replayer:
             unpin(entries)
             while counts[top] > cap_top and self._evict(top):  # a request larger than the tier
                 pass
-        return hits, saved
+        return hits, saved, saved_us
 
 
 def replay(requests: list[list[bytes]], policy: str, capacities: Sequence[int], depth_weight: float = 0.5,
@@ -195,7 +199,7 @@ def replay(requests: list[list[bytes]], policy: str, capacities: Sequence[int], 
     accesses = sum(len(r) for r in requests)
     sim = Replayer(policy, capacities, model, half_life, **options)
     start, cpu_start = time.perf_counter(), time.thread_time()
-    hits, saved = sim.run(requests, prefix, multi)
+    hits, saved, saved_us = sim.run(requests, prefix, multi)
     seconds, cpu_seconds = time.perf_counter() - start, time.thread_time() - cpu_start
     names = TIER_NAMES[: len(capacities)]
     result = ReplayResult(
@@ -206,28 +210,9 @@ def replay(requests: list[list[bytes]], policy: str, capacities: Sequence[int], 
     )
     if multi:
         result.hits_per_tier = {n: hits[t] for t, n in enumerate(names)}
-        result.est_saved_prefill_s, result.est_total_prefill_s = _estimate_seconds(requests, model, policy,
-                                                                                  capacities, half_life, options)
+        result.est_saved_prefill_s = saved_us / 1e6
+        result.est_total_prefill_s = sum(model.recompute_block_us(d) for r in requests for d in range(len(r))) / 1e6
     return result
-
-
-def _estimate_seconds(requests, model, policy, capacities, half_life, options) -> tuple[float, float]:
-    """Rerun (untimed) to add up the cost model's saved prefill time per request's cut match."""
-    again = Replayer(policy, capacities, model, half_life, **options)
-    saved_us = 0.0
-    index = again.index
-    orig_match = index.match
-
-    def counting_match(keys):
-        nonlocal saved_us
-        tiers = orig_match(keys)
-        saved_us += model.saved_us(tiers[: model.cut(tiers)])
-        return tiers
-
-    index.match = counting_match
-    again.run(requests, [0.0] * (max(len(r) for r in requests) + 1), True)
-    total_us = sum(model.recompute_block_us(d) for r in requests for d in range(len(r)))
-    return saved_us / 1e6, total_us / 1e6
 
 
 def reference_cost(depth_weight: float, recompute_us: float, gbps: Sequence[float]) -> CostModel:
