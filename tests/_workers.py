@@ -91,8 +91,16 @@ def crash_writer(path: str, trial: int, capacity: int, progress) -> None:
     from tierkv.tiers.base import Lineage
     from tierkv.tiers.disk import DiskTier
 
+    import mmap
+
+    import torch
+
     tier = DiskTier(path, LAYOUT, capacity)
     rng = random.Random(trial)
+    # Page-aligned sources (like L1 slots) are written straight from memory in runs of
+    # consecutive slots; the others go through the bounce buffer. Use both.
+    pool = torch.frombuffer(mmap.mmap(-1, 4 * LAYOUT.block_bytes), dtype=LAYOUT.torch_dtype)
+    pool = pool.view(LAYOUT.pool_shape(4))
     live: list[bytes] = [r.key for r in tier.records()]
     i = 0
     while True:
@@ -100,8 +108,12 @@ def crash_writer(path: str, trial: int, capacity: int, progress) -> None:
         i += len(batch)
         while len(live) + len(batch) > capacity:
             tier.remove([live.pop(rng.randrange(len(live)))])
-        ok = tier.put(batch, [block_for(k, LAYOUT) for k in batch],
-                      [Lineage(None, n) for n in range(len(batch))])
+        blocks = [block_for(k, LAYOUT) for k in batch]
+        if rng.random() < 0.5:
+            for j, block in enumerate(blocks):
+                pool[j].copy_(block)
+            blocks = [pool[j] for j in range(len(batch))]
+        ok = tier.put(batch, blocks, [Lineage(None, n) for n in range(len(batch))])
         live.extend(k for k, flag in zip(batch, ok) if flag)
         with progress.get_lock():
             progress.value += 1
