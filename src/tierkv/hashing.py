@@ -85,6 +85,8 @@ class BlockHasher:
         ``parent`` is the hash of block ``start - 1`` (``seed`` when ``start`` is 0),
         so callers that already hashed a prefix extend the chain without rehashing it.
         """
+        if start and parent is None:  # the seed in its place would silently start another chain
+            raise ValueError(f"hash_blocks: start={start} needs the hash of block {start - 1} as parent")
         data = token_bytes(token_ids)
         step = 4 * block_size
         end = (len(data) // step) * step
