@@ -124,3 +124,16 @@ def test_algorithms_differ_and_blake2b_is_keyed():
 def test_bad_hasher_settings_name_the_field(algorithm, key, field):
     with pytest.raises(ValueError, match=rf"^{field}:"):
         BlockHasher(algorithm, key)
+
+
+def test_extending_a_chain_without_its_parent_is_an_error():
+    h = BlockHasher()
+    seed = h.seed("m", "r", "f")
+    with pytest.raises(ValueError, match=r"^hash_blocks: start=2 needs the hash of block 1"):
+        h.hash_blocks(list(range(16)), 4, seed, start=2)
+
+
+def test_token_ids_outside_int32_are_refused():
+    h = BlockHasher()
+    with pytest.raises(ValueError, match=r"^token_ids: "):
+        h.hash_blocks([0, 1, 2, 2**31], 4, h.seed("m", "r", "f"))
