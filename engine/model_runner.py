@@ -64,6 +64,7 @@ class ModelRunner:
         if not rows:
             return out
         logits = self.model.logits(hidden[rows])
+        # Exactly the sequences whose chunk reaches their last token have a row in ``rows``.
         sampled = [i for i, item in enumerate(batch) if item.seq.num_computed + item.num_tokens == item.seq.num_tokens]
         seqs = [batch[i].seq for i in sampled]
         tokens = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs])

@@ -16,8 +16,9 @@ from conftest import GREEDY, prompts
 transformers = pytest.importorskip("transformers")
 
 
-def engine_logits(llm, batch_prompts: list[list[int]], steps: int) -> list[torch.Tensor]:
-    """Per prompt, logits of every prompt position then of ``steps`` greedy decode steps, batched."""
+def engine_logits(llm, batch_prompts: list[list[int]], steps: int) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """Per prompt, logits of every prompt position then of ``steps`` greedy decode steps (all
+    prompts in one batch), and each prompt's tokens after those steps."""
     kv = KVCacheManager(llm.store, enable_cache=False)
     seqs = [Sequence(p, GREEDY, None, 10_000) for p in batch_prompts]
     for seq in seqs:
