@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
+import socket
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
 from conftest import LAYOUT, populate, run_tierkv
@@ -124,6 +127,10 @@ def test_import_of_another_layout_or_model_is_refused(cache, tmp_path):
     r = run_tierkv("import", str(snap), "--cache-dir", str(third))
     assert r.code == 1 and "model_id 'm'" in r.err
     assert open_l3(third / "l3").used == 17  # nothing was written
+    # the remedy the message names: clear the other layout's cache, then the import goes through
+    assert run_tierkv("evict", "--all", "--cache-dir", str(other)).code == 0
+    r = run_tierkv("import", str(snap), "--json", "--cache-dir", str(other))
+    assert r.code == 0 and r.json()["blocks"] == 17, r.err
 
 
 def test_import_of_a_damaged_snapshot_fails(cache, tmp_path):
@@ -146,3 +153,30 @@ def test_bench_inline_measures_l2_and_l3(cache, blocks):
     rows = r.json()["rows"]
     assert [(x["tier"].split()[0], x["op"]) for x in rows] == [("l2", "write"), ("l2", "read"), ("l3", "write"), ("l3", "read")]
     assert all(x["gb_per_s"] > 0 for x in rows)
+
+
+@pytest.mark.redis
+def test_info_probes_a_real_l4_pool(cache, tmp_path):
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.skip("redis-server is not installed (make system-deps)")
+    populate(cache)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([server, "--port", str(port), "--save", "", "--appendonly", "no"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(100):
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.05)
+        r = run_tierkv("info", "--json", "--cache-dir", str(cache), env={"TIERKV_L4_URL": f"redis://127.0.0.1:{port}"})
+        assert r.code == 0, r.err
+        assert r.json()["tiers"]["l4"]["reachable"] is True and r.json()["tiers"]["l4"]["backend"] == "redis"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+    r = run_tierkv("info", "--json", "--cache-dir", str(cache), env={"TIERKV_L4_URL": f"redis://127.0.0.1:{port}"})
+    assert r.code == 0 and r.json()["tiers"]["l4"]["reachable"] is False
