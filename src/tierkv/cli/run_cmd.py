@@ -39,7 +39,11 @@ def ensure_demo_model(cache_dir: Path, preset: str = "small") -> Path:
                               capture_output=True, text=True)
         if proc.returncode != 0:
             raise CLIError(f"could not write the {preset} checkpoint: {_last_line(proc.stderr)}")
-        os.replace(tmp, target)
+        try:
+            os.replace(tmp, target)
+        except OSError:
+            if not (target / "config.json").exists():  # another run may have written it meanwhile
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
@@ -51,6 +55,7 @@ def _last_line(text: str) -> str:
 
 
 def _run_pass(plan_path: Path, index: int, bar: Progress, task, debug: bool) -> dict:
+    bar.update(task, description=f"pass {index + 1} ({PASS_NAMES[index]}): loading the engine")
     with tempfile.TemporaryFile("w+") as err:
         proc = subprocess.Popen([sys.executable, "-m", "tierkv.demo", str(plan_path)], stdout=subprocess.PIPE,
                                 stderr=None if debug else err, text=True)
