@@ -359,19 +359,9 @@ class TierKVStore:
     def _start_reads(self, m: Match, tier: int, pos: list[int], views: list[torch.Tensor], ok: list[bool]):
         keys = [m.keys[i] for i in pos]
         if tier == Tier.L2:
-            srcs = [self.l2.slot_of(k) for k in keys]
-
-            def copy_l2():
-                flags = []
-                for s, v in zip(srcs, views):
-                    if s is None:
-                        flags.append(False)
-                    else:
-                        copy_block(v, self.l2.block(s))
-                        flags.append(True)
-                return flags
-
-            fut = self.transfer.copy(copy_l2)
+            # Through the tier's get: on a shared slab another process may free and reuse
+            # a slot while this copy waits (pins are per process); get verifies the checksum.
+            fut = self.transfer.copy(self.l2.get, keys, views)
         elif tier == Tier.L3:
             fut = self.transfer.io(self.l3.get, keys, views)
         else:
