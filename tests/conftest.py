@@ -1,5 +1,6 @@
 """Shared fixtures: a small canonical layout, a temporary L3 directory and a store factory.
 
+``shm_name`` is a unique shared-L2 name whose /dev/shm files are removed afterwards.
 ``make_store(l1=4, l2=4, l3=16)`` builds a TierKVStore whose tier capacities
 are given in blocks (0 disables L2/L3); every store it made is closed at
 teardown. Helpers for deterministic blocks live in ``tests/_kv.py`` so that
@@ -8,7 +9,9 @@ subprocess workers can use them too.
 
 from __future__ import annotations
 
+import os
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -45,3 +48,18 @@ def make_store(layout: KVLayout, l3_dir: Path):
     yield make
     for store in opened:
         store.close()
+
+
+@pytest.fixture
+def shm_name():
+    name = f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    yield name
+    base = Path(f"/dev/shm/tierkv-{name}")
+    for path in (base.with_name(base.name + ".slab"), base.with_name(base.name + ".lmdb")):
+        if path.is_dir():
+            for child in path.iterdir():
+                child.unlink()
+            path.rmdir()
+        elif path.exists():
+            path.unlink()
+    assert not list(Path("/dev/shm").glob(f"tierkv-{name}*"))

@@ -371,3 +371,42 @@ def test_threads_share_one_store(make_store, layout):
     assert store.l1.num_free + store.index.counts[L1] == 24
     assert all(e.ref_count == 0 for e in store.index.entries())
     assert store.stats()["hits"].get("l3", 0) > 0
+
+
+def test_a_shared_l2_slot_reused_by_another_process_during_a_load_is_a_miss(make_store, layout, shm_name):
+    """Pins are per process: another process may free and reuse a shared slot while our copy waits."""
+    import dataclasses
+    import threading
+
+    from _kv import key_of, store_config
+    from tierkv.store import TierKVStore
+
+    cfg = store_config(layout, 4, 0, "/nonexistent")
+    cfg = dataclasses.replace(cfg, l2=dataclasses.replace(cfg.l2, shared_name=shm_name))
+    store = TierKVStore(cfg, layout, l1_blocks=4)
+    try:
+        tokens = prompt(40, 4, layout)
+        save_prompt(store, tokens)
+        save_prompt(store, prompt(41, 4, layout))       # the first prompt moves to the shared L2
+        m = store.lookup(tokens)
+        assert m.tiers == [L2] * 4
+        gate = threading.Event()
+        store.transfer.copy(gate.wait)                    # hold the copy thread
+        dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in range(4)]
+        handle = store.load(m, dst)
+        # Meanwhile "another process" evicts block 1 and puts another block in its slot.
+        victim = m.keys[1]
+        slot = store.l2.slot_of(victim)
+        store.l2.remove([victim])
+        intruder = key_of("intruder")
+        assert store.l2.put([intruder], [block_for(intruder, layout)]) == [True]
+        assert store.l2.slot_of(intruder) == slot
+        gate.set()
+        result = handle.wait(30)
+        assert result.ok[0] and not result.ok[1] and result.num_ok == 1
+        for i, flag in enumerate(result.ok):
+            if flag:
+                assert same_bytes(dst[i], block_for(m.keys[i], layout)), i
+        store.release(m)
+    finally:
+        store.close()

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -78,21 +77,6 @@ def test_non_contiguous_destinations_and_sources_get_the_right_values():
 def test_zero_capacity_is_refused_naming_the_field():
     with pytest.raises(ValueError, match=r"^l2\.capacity: "):
         HostTier(LAYOUT, 0)
-
-
-@pytest.fixture
-def shm_name():
-    name = f"test-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    yield name
-    base = Path(f"/dev/shm/tierkv-{name}")
-    for path in (base.with_name(base.name + ".slab"), base.with_name(base.name + ".lmdb")):
-        if path.is_dir():
-            for child in path.iterdir():
-                child.unlink()
-            path.rmdir()
-        elif path.exists():
-            path.unlink()
-    assert not list(Path("/dev/shm").glob(f"tierkv-{name}*"))
 
 
 def run_worker(cmd: str, **args) -> dict:
