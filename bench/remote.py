@@ -96,36 +96,38 @@ def start_mooncake(work: Path, procs: list, segment: int) -> tuple[str, str, str
 
 
 class RawRedis:
-    """redis-py moving prebuilt values of VALUE bytes, pipelined per batch like the tier."""
+    """redis-py moving prebuilt values of VALUE bytes, one pipeline per batch like the tier."""
 
     def __init__(self, url: str, values: list[bytes]) -> None:
         import redis
 
         self.client = redis.Redis.from_url(url, socket_timeout=30)
         self.values = values
+        self.names = [f"bench-raw/{i}" for i in range(len(values))]
 
-    def put(self, names: list[str]) -> None:
-        for s in range(0, len(names), BATCH):
-            pipe = self.client.pipeline(transaction=False)
-            for name, value in zip(names[s:s + BATCH], self.values[s:s + BATCH]):
-                pipe.set(name, value)
-            assert all(pipe.execute())
+    def put(self, b: int) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for name, value in zip(self.names[b * BATCH:(b + 1) * BATCH], self.values[b * BATCH:(b + 1) * BATCH]):
+            pipe.set(name, value)
+        assert all(pipe.execute())
 
-    def get(self, names: list[str]) -> None:
-        for s in range(0, len(names), BATCH):
-            pipe = self.client.pipeline(transaction=False)
-            for name in names[s:s + BATCH]:
-                pipe.get(name)
-            assert all(v is not None and len(v) == VALUE for v in pipe.execute())
+    def get(self, b: int) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for name in self.names[b * BATCH:(b + 1) * BATCH]:
+            pipe.get(name)
+        assert all(v is not None and len(v) == VALUE for v in pipe.execute())
 
-    def delete(self, names: list[str]) -> None:
-        self.client.delete(*names)
+    def delete(self) -> None:
+        self.client.delete(*self.names)
+
+    def check(self) -> None:
+        pass
 
 
 class RawMooncake:
     """MooncakeDistributedStore moving VALUE-byte values from one registered buffer, per batch like the tier."""
 
-    def __init__(self, metadata: str, master: str) -> None:
+    def __init__(self, metadata: str, master: str, n: int) -> None:
         import mmap
 
         import numpy as np
@@ -140,22 +142,22 @@ class RawMooncake:
         arr[:] = np.random.default_rng(0).integers(0, 255, arr.size, dtype=np.uint8)
         self.ptr = arr.ctypes.data
         assert self.store.register_buffer(self.ptr, BATCH * VALUE) == 0
+        self.names = [f"bench-raw/{i}" for i in range(n)]
+        self.ptrs = [self.ptr + j * VALUE for j in range(BATCH)]
 
-    def _batches(self, names: list[str]):
-        for s in range(0, len(names), BATCH):
-            chunk = names[s:s + BATCH]
-            yield chunk, [self.ptr + j * VALUE for j in range(len(chunk))], [VALUE] * len(chunk)
+    def put(self, b: int) -> None:
+        chunk = self.names[b * BATCH:(b + 1) * BATCH]
+        assert all(c == 0 for c in self.store.batch_put_from(chunk, self.ptrs[:len(chunk)], [VALUE] * len(chunk)))
 
-    def put(self, names: list[str]) -> None:
-        for chunk, ptrs, sizes in self._batches(names):
-            assert all(c == 0 for c in self.store.batch_put_from(chunk, ptrs, sizes))
+    def get(self, b: int) -> None:
+        chunk = self.names[b * BATCH:(b + 1) * BATCH]
+        assert all(c == VALUE for c in self.store.batch_get_into(chunk, self.ptrs[:len(chunk)], [VALUE] * len(chunk)))
 
-    def get(self, names: list[str]) -> None:
-        for chunk, ptrs, sizes in self._batches(names):
-            assert all(c == VALUE for c in self.store.batch_get_into(chunk, ptrs, sizes))
+    def delete(self) -> None:
+        self.store.batch_remove(self.names, True)
 
-    def delete(self, names: list[str]) -> None:
-        self.store.batch_remove(names, True)
+    def check(self) -> None:
+        pass
 
     def close(self) -> None:
         self.store.unregister_buffer(self.ptr)
@@ -163,7 +165,7 @@ class RawMooncake:
 
 
 class TierRun:
-    """The same traffic through RemoteTier (what the store's L4 does)."""
+    """The same traffic through RemoteTier (what the store's L4 does), blocks as tensors."""
 
     def __init__(self, url: str, blocks: torch.Tensor, auth_key: str = "") -> None:
         prefix = "bench-mac" if auth_key else "bench-tier"
@@ -172,13 +174,11 @@ class TierRun:
         self.dst = torch.empty_like(blocks)
         self.keys = [i.to_bytes(16, "little") for i in range(len(blocks))]
 
-    def put(self) -> None:
-        for s in range(0, len(self.keys), BATCH):
-            assert all(self.tier.put(self.keys[s:s + BATCH], list(self.blocks[s:s + BATCH])))
+    def put(self, b: int) -> None:
+        assert all(self.tier.put(self.keys[b * BATCH:(b + 1) * BATCH], list(self.blocks[b * BATCH:(b + 1) * BATCH])))
 
-    def get(self) -> None:
-        for s in range(0, len(self.keys), BATCH):
-            assert all(self.tier.get(self.keys[s:s + BATCH], list(self.dst[s:s + BATCH])))
+    def get(self, b: int) -> None:
+        assert all(self.tier.get(self.keys[b * BATCH:(b + 1) * BATCH], list(self.dst[b * BATCH:(b + 1) * BATCH])))
 
     def delete(self) -> None:
         self.tier.remove(self.keys)
@@ -193,29 +193,28 @@ def timed(fn, *args) -> float:
     return time.perf_counter() - t0
 
 
-def measure(name: str, raw, tiers: dict[str, TierRun], n: int, reps: int) -> dict[str, float]:
-    """Rounds of put then get by raw, tier and tier+MAC; the best round per figure.
+def measure(name: str, runs: dict, n: int, reps: int) -> dict[str, float]:
+    """Batch by batch, raw / tier / tier+MAC take turns; per batch the best of ``reps`` rounds.
 
-    The order rotates every round, so none of them always writes first into
-    memory the server just freed. Best, not median: on a shared host the other
-    tenants' load only ever adds time.
+    Interleaving per batch and rotating who goes first puts every contender
+    under the same load; the best round per batch because on a shared host
+    the other tenants only ever add time. Figure = bytes / sum of those bests.
     """
-    names = [f"bench-raw/{i}" for i in range(n)]
-    runs = [("raw_", raw.put, raw.get, lambda: raw.delete(names))]
-    runs += [(label, run.put, run.get, run.delete) for label, run in tiers.items()]
-    times: dict[str, list[float]] = {}
+    batches = n // BATCH
+    best = {f"{label}{op}": [float("inf")] * batches for label in runs for op in ("put", "get")}
+    labels = list(runs)
     for rep in range(reps):
-        order = runs[rep % len(runs):] + runs[:rep % len(runs)]
-        for label, put, _, _ in order:
-            times.setdefault(f"{label}put", []).append(timed(put, names) if label == "raw_" else timed(put))
-        for label, _, get, _ in order:
-            times.setdefault(f"{label}get", []).append(timed(get, names) if label == "raw_" else timed(get))
-        for run in tiers.values():
-            run.check()
-        for _, _, _, delete in order:
-            delete()
-    nbytes = n * LAYOUT.block_bytes
-    return {f"{name}_{k}_gbps": nbytes / min(v) / 1e9 for k, v in times.items()}
+        order = labels[rep % len(labels):] + labels[:rep % len(labels)]
+        for op in ("put", "get"):
+            for b in range(batches):
+                for label in order:
+                    t = timed(getattr(runs[label], op), b)
+                    best[f"{label}{op}"][b] = min(best[f"{label}{op}"][b], t)
+        for label in order:
+            runs[label].check()
+            runs[label].delete()
+    nbytes = batches * BATCH * LAYOUT.block_bytes
+    return {f"{name}_{k}_gbps": nbytes / sum(v) / 1e9 for k, v in best.items()}
 
 
 def main() -> None:
@@ -233,15 +232,15 @@ def main() -> None:
     started = time.perf_counter()
     try:
         url = start_redis(work, procs)
-        tiers = {"": TierRun(url, blocks), "mac_": TierRun(url, blocks, "bench-key")}
-        figures.update(measure("redis", RawRedis(url, values), tiers, n, reps))
+        runs = {"raw_": RawRedis(url, values), "": TierRun(url, blocks), "mac_": TierRun(url, blocks, "bench-key")}
+        figures.update(measure("redis", runs, n, reps))
         murl, metadata, master = start_mooncake(work, procs, max(64 << 20, 4 * n * VALUE))
-        raw = RawMooncake(metadata, master)
-        tiers = {"": TierRun(murl, blocks), "mac_": TierRun(murl, blocks, "bench-key")}
-        figures.update(measure("mooncake", raw, tiers, n, reps))
-        for run in tiers.values():
-            run.tier.close()
-        raw.close()
+        runs = {"raw_": RawMooncake(metadata, master, n), "": TierRun(murl, blocks),
+                "mac_": TierRun(murl, blocks, "bench-key")}
+        figures.update(measure("mooncake", runs, n, reps))
+        runs[""].tier.close()
+        runs["mac_"].tier.close()
+        runs["raw_"].close()
     finally:
         stop(procs)
         shutil.rmtree(work, ignore_errors=True)
@@ -262,7 +261,7 @@ def main() -> None:
     figures["batch"] = BATCH
     figures["seconds"] = time.perf_counter() - started
     print_table(f"L4 remote tier, {n} values of {LAYOUT.block_bytes >> 10} KiB (+{HEADER_BYTES} B header), "
-                f"batches of {BATCH}, best of {reps} interleaved rounds", rows)
+                f"batches of {BATCH}, best of {reps} interleaved rounds per batch", rows)
     write_json(args.json, figures)
 
 

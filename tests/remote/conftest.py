@@ -174,13 +174,13 @@ class MooncakePool:
 
     def plant(self, name: str, value: bytes) -> None:
         """Store ``value`` under ``name`` with Mooncake's own client, replacing what is there."""
-        from tierkv.tiers.remote import open_backend
+        from mooncake.store import MooncakeDistributedStore
 
-        raw = open_backend(self.url, 5000, len(value))
+        raw = MooncakeDistributedStore()
+        assert raw.setup("127.0.0.1", self.metadata, 0, 16 << 20, "tcp", "", f"127.0.0.1:{self.rpc_port}") == 0
         try:
-            raw.delete([name])
-            ok = raw.write([name], [value], [memoryview(b"")])
-            assert ok == [True], f"planting {name} failed"
+            raw.remove(name, True)
+            assert raw.put(name, value) == 0, f"planting {name} failed"
         finally:
             raw.close()
 

@@ -27,6 +27,16 @@ def test_round_trip_is_byte_identical():
     out = torch.empty(LAYOUT.block_shape, dtype=LAYOUT.torch_dtype)
     _copy_payload(out, memoryview(bytes(value)))
     assert same_bytes(out, block_for(key, LAYOUT))
+    fused = torch.empty(LAYOUT.block_shape, dtype=LAYOUT.torch_dtype)
+    assert codec.verify_into(key, memoryview(bytes(value)), fused) == OK
+    assert same_bytes(fused, block_for(key, LAYOUT))
+    # A strided destination (e.g. a slice of a bigger pool) gets the same bytes.
+    layers, *rest = LAYOUT.block_shape
+    pool = torch.zeros((layers, 2, *rest), dtype=LAYOUT.torch_dtype)
+    strided = pool[:, 1]
+    assert not strided.is_contiguous()
+    _copy_payload(strided, memoryview(bytes(value)))
+    assert same_bytes(pool[:, 1].contiguous(), block_for(key, LAYOUT)) and not pool[:, 0].any()
 
 
 def test_every_bad_value_has_its_reason():

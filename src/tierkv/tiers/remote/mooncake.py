@@ -23,6 +23,8 @@ block) is built there and sent from there, and read back there, verified, and
 only then copied into the caller's block. Mooncake's RPCs retry for seconds
 when the master is gone, so every call runs under ``tiers.remote.base.Deadline``
 with ``l4.timeout_ms``; a late call keeps the staging buffer until it ends.
+Transfers and membership calls have one worker thread each, so a lookup never
+queues behind a batch of transfers.
 Connecting is lazy and retried (through the tier's breaker) when it fails.
 """
 
@@ -36,7 +38,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from tierkv.config import parse_size
 from tierkv.tiers.remote import rdma
-from tierkv.tiers.remote.base import Deadline, RemoteUnavailable
+from tierkv.tiers.remote.base import HEADER_BYTES, Deadline, RemoteUnavailable
 
 DEFAULT_METADATA_PORT = 8080
 _OPTIONS = ("metadata", "segment", "buffer", "protocol", "devices", "local", "staging")
@@ -106,6 +108,8 @@ class MooncakeBackend:
         self.value_bytes = value_bytes
         self.protocol, self.devices, self.rdma_reason = self._pick_protocol()
         self._deadline = Deadline(self.timeout_s, "tierkv-mooncake")
+        # Membership and removal touch no buffer: their own worker, so a lookup never waits behind a transfer.
+        self._meta_deadline = Deadline(self.timeout_s, "tierkv-mooncake-meta")
         self._connect_deadline = Deadline(max(self.timeout_s, 5.0), "tierkv-mooncake-connect")
         self._store = None
         self.refused_codes: list[int] = []  # Mooncake error codes of the last refused puts, for stats
@@ -161,10 +165,14 @@ class MooncakeBackend:
         self._client()
         return self._deadline.run(fn, *args, after=after)
 
+    def _run_meta(self, fn: Callable):
+        self._client()
+        return self._meta_deadline.run(fn)
+
     # -- protocol ---------------------------------------------------------------
 
     def exists(self, names: list[str]) -> list[bool]:
-        codes = self._run(lambda: self._store.batch_is_exist(names))
+        codes = self._run_meta(lambda: self._store.batch_is_exist(names))
         if codes and all(c < 0 for c in codes):
             raise RemoteUnavailable(f"exists failed with codes {sorted(set(codes))}")
         return [c == 1 for c in codes]
@@ -174,20 +182,22 @@ class MooncakeBackend:
         for start in range(0, n, step):
             yield start, min(n, start + step)
 
-    def write(self, names: list[str], headers: list[bytes], payloads: list[memoryview]) -> list[bool]:
+    def write(self, names: list[str], header: Callable[[int], bytes], payloads: list[memoryview]) -> list[bool]:
         out: list[bool] = []
         for start, end in self._chunks(len(names)):
-            out.extend(self._run(self._write_chunk, names[start:end], headers[start:end], payloads[start:end]))
+            out.extend(self._run(self._write_chunk, names[start:end], start, header, payloads[start:end]))
         return out
 
-    def _write_chunk(self, names: list[str], headers: list[bytes], payloads: list[memoryview]) -> list[bool]:
+    def _write_chunk(self, names: list[str], start: int, header: Callable[[int], bytes],
+                     payloads: list[memoryview]) -> list[bool]:
         ptrs, sizes, offset = [], [], 0
-        for head, payload in zip(headers, payloads):
-            size = len(head) + len(payload)
-            if offset + size > len(self._staging):
-                raise ValueError(f"l4 put: a {size}-byte value does not fit the staging buffer")
-            self._staging_view[offset:offset + len(head)] = head
-            self._staging_view[offset + len(head):offset + size] = payload
+        for j, payload in enumerate(payloads):
+            size = HEADER_BYTES + len(payload)
+            if size > self.value_bytes:
+                raise ValueError(f"l4 put: a {size}-byte value does not fit a {self.value_bytes}-byte staging slot")
+            # Payload first: the header's checksum pass then finds it in cache.
+            self._staging_view[offset + HEADER_BYTES:offset + size] = payload
+            self._staging_view[offset:offset + HEADER_BYTES] = header(start + j)
             ptrs.append(self._staging_ptr + offset)
             sizes.append(size)
             offset += self.value_bytes
@@ -216,7 +226,7 @@ class MooncakeBackend:
             self._run(self._store.batch_get_into, chunk, ptrs, [size] * len(chunk), after=deliver)
 
     def delete(self, names: list[str]) -> None:
-        self._run(lambda: self._store.batch_remove(names, True))
+        self._run_meta(lambda: self._store.batch_remove(names, True))
 
     def info(self) -> dict:
         return {"backend": "mooncake", "url": self.url, "protocol": self.protocol,
@@ -226,7 +236,7 @@ class MooncakeBackend:
     def close(self) -> None:
         """Disconnect (the pool keeps what others contributed). Waits for a running call to end."""
         store, self._store = self._store, None
-        idle = self._deadline.close() and self._connect_deadline.close()
+        idle = all([self._deadline.close(), self._meta_deadline.close(), self._connect_deadline.close()])
         if store is not None and idle:
             try:
                 store.unregister_buffer(self._staging_ptr)

@@ -82,25 +82,29 @@ class RedisBackend:
             out.append(bool(r))
         return out
 
-    def write(self, names: list[str], headers: list[bytes], payloads: list[memoryview]) -> list[bool]:
+    def write(self, names: list[str], header: Callable[[int], bytes], payloads: list[memoryview]) -> list[bool]:
         if self.cluster:
             pipe = self._pipeline()
-            for name, head, payload in zip(names, headers, payloads):
-                pipe.set(name, b"".join((head, payload)))
+            for i, (name, payload) in enumerate(zip(names, payloads)):
+                pipe.set(name, b"".join((header(i), payload)))
             return [r is True for r in self._execute(pipe)]
-        return self._write_gathered(names, headers, payloads)
+        return self._write_gathered(names, header, payloads)
 
-    def _write_gathered(self, names: list[str], headers: list[bytes], payloads: list[memoryview]) -> list[bool]:
-        """SETs whose value goes out as header + payload pieces: the block is never copied into one string."""
-        chunks: list = []
-        for name, head, payload in zip(names, headers, payloads):
-            key = name.encode()
-            chunks.append(b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (len(key), key, len(head) + len(payload)))
-            chunks += [head, payload, b"\r\n"]
+    def _write_gathered(self, names: list[str], header: Callable[[int], bytes],
+                        payloads: list[memoryview]) -> list[bool]:
+        """SETs whose value goes out as header + payload pieces: the block is never copied into one string.
+
+        Each value is sent right after its header is built, while its bytes are still in cache;
+        the replies are read once all are sent (one round trip per batch).
+        """
         pool = self.client.connection_pool
         conn = pool.get_connection()
         try:
-            conn.send_packed_command(chunks)
+            for i, (name, payload) in enumerate(zip(names, payloads)):
+                key, head = name.encode(), header(i)
+                size = len(head) + len(payload)
+                conn.send_packed_command([b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (len(key), key, size, head),
+                                          payload, b"\r\n"], check_health=False)
             replies = [conn.read_response(disconnect_on_error=True) for _ in names]
         except self._errors as exc:
             conn.disconnect()
