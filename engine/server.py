@@ -185,6 +185,16 @@ class EngineServer:
 
     # -- generation (called from handler threads) ---------------------------------
 
+    def check_fits(self, prompt, params: SamplingParams) -> None:
+        """RequestError (400) when prompt + max_tokens could never fit in the engine's L1 pool."""
+        llm = self.llm
+        n = len(prompt) if isinstance(prompt, list) else len(llm.tokenizer.encode(prompt))
+        need = -(-min(n + params.max_tokens, llm.max_model_len) // llm.config.block_size)
+        if need > llm.config.num_blocks:
+            raise RequestError(400, f"prompt of {n} tokens + max_tokens {params.max_tokens} need {need} KV blocks; "
+                                    f"this server holds {llm.config.num_blocks} (lower max_tokens or shorten the prompt)",
+                               "max_tokens", "context_length_exceeded")
+
     def generate(self, prompt, params: SamplingParams, namespace: str | None):
         """One finished Output; RequestError (400) for a prompt the engine refuses (too long, bad ids)."""
         with self.engine_lock:
@@ -356,6 +366,7 @@ class _Handler(BaseHTTPRequestHandler):
         params = sampling_params(body, self.app.config.max_tokens_limit)
         stream = _opt(body, "stream", (bool,), False)
         namespace = _opt(body, "namespace", (str,), None)
+        self.app.check_fits(prompt, params)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if stream:
             self._stream(rid, prompt, params, namespace, chat, endpoint)

@@ -19,7 +19,7 @@ MAX_BODY = 64 * 1024
 def start_server(model, cache):
     env = {**os.environ, "TIERKV_L3_CAPACITY": "4MiB"}
     proc = subprocess.Popen([sys.executable, "-m", "tierkv.cli", "serve", "--model", str(model), "--port", "0",
-                             "--max-body", str(MAX_BODY), "--max-model-len", "1024", "--threads", "1",
+                             "--max-body", str(MAX_BODY), "--max-model-len", "1024", "--num-blocks", "48", "--threads", "1",
                              "--cache-dir", str(cache)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     line = proc.stdout.readline()
     m = re.search(r"http://([0-9.]+):(\d+)", line)
@@ -136,6 +136,7 @@ MALFORMED = [
     ("POST", "/v1/completions", {"prompt": "x", "model": "gpt-4"}, None, 404),         # unknown model
     ("POST", "/v1/completions", {"prompt": "y" * 5000}, None, 400),                    # huge prompt (> max_model_len)
     ("POST", "/v1/completions", {"prompt": [1, 2, 99999]}, None, 400),                 # token id outside the vocabulary
+    ("POST", "/v1/completions", {"prompt": "y" * 500, "max_tokens": 400}, None, 400),  # more KV than the pool holds
     ("POST", "/v1/completions", {"prompt": "z" * (MAX_BODY + 10)}, None, 413),         # body over --max-body
     ("POST", "/v1/chat/completions", {"prompt": "no messages"}, None, 400),
     ("POST", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, None, 400),
@@ -171,7 +172,7 @@ def test_info_reads_a_running_server(server):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
-    assert info["tiers"]["l1"]["capacity_blocks"] == 1024 and info["totals"]["tierkv_lookups_total"] >= 1
+    assert info["tiers"]["l1"]["capacity_blocks"] == 48 and info["totals"]["tierkv_lookups_total"] >= 1
 
 
 def test_a_second_server_process_hits_what_the_first_persisted(server, tiny_model, serve_cache):
