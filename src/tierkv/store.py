@@ -247,6 +247,9 @@ class TierKVStore:
         if tier == Tier.L1:
             return self.l1.block(entry.l1_slot)
         if tier == Tier.L2:
+            if self.l2.shared:  # another process may be reusing the slot: copy out and verify
+                buf = torch.empty(self.layout.block_shape, dtype=self.layout.torch_dtype)
+                return buf if self.l2.get([entry.key], [buf])[0] else None
             slot = self.l2.slot_of(entry.key)
             return None if slot is None else self.l2.block(slot)
         ok = self.l3.get([entry.key], [self._scratch])[0]

@@ -86,6 +86,11 @@ class HostTier:
         return self._capacity
 
     @property
+    def shared(self) -> bool:
+        """True for a /dev/shm slab: other processes may free and reuse its slots at any time."""
+        return self._shared
+
+    @property
     def used(self) -> int:
         return self._slots.used()
 
