@@ -410,3 +410,30 @@ def test_a_shared_l2_slot_reused_by_another_process_during_a_load_is_a_miss(make
         store.release(m)
     finally:
         store.close()
+
+
+def test_a_shared_l2_block_overwritten_by_another_process_is_not_demoted_to_l3(layout, l3_dir, shm_name):
+    import dataclasses
+
+    from _kv import store_config
+    from tierkv.store import TierKVStore
+
+    cfg = store_config(layout, 4, 16, l3_dir)
+    cfg = dataclasses.replace(cfg, l2=dataclasses.replace(cfg.l2, shared_name=shm_name))
+    with TierKVStore(cfg, layout, l1_blocks=4) as store:
+        tokens = prompt(50, 4, layout)
+        save_prompt(store, tokens)
+        save_prompt(store, prompt(51, 4, layout))          # the first prompt is now in the shared L2
+        keys = store.hash(tokens)
+        assert store.index.match(keys) == [L2] * 4  # (a lookup would make it the most recent)
+        # Another process reused block 2's slot and is writing into it.
+        store.l2.slab[store.l2.slot_of(keys[2])].view(torch.uint8).view(-1)[:64] = 7
+        save_prompt(store, prompt(52, 4, layout))          # pushes the first prompt from L2 down to L3
+        assert store.l3.contains(keys) == [True, True, False, True]
+        m = store.lookup(tokens)
+        assert m.tiers == [L3, L3]
+        dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in m.to_load]
+        result = store.load(m, dst).wait(30)
+        assert result.ok == [True, True]
+        assert all(same_bytes(d, block_for(k, layout)) for d, k in zip(dst, keys))
+        store.release(m)
