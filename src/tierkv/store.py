@@ -520,7 +520,8 @@ class TierKVStore:
             if tier != Tier.L3:
                 return sum(self._put_lower(e, tier, src) for e in todo
                            if (src := self._block_view(e, e.best)) is not None)
-            srcs = [self._block_view(e, e.best) for e in todo]
+            pairs = [(e, src) for e in todo if (src := self._block_view(e, e.best)) is not None]
+            todo, srcs = [e for e, _ in pairs], [src for _, src in pairs]  # unreadable sources are skipped
             self.transfer.d2h_sync()
             self._make_room(tier, len(todo))
             ok = self.l3.put([e.key for e in todo], srcs, [Lineage(e.parent, e.depth) for e in todo])
