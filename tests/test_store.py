@@ -437,3 +437,22 @@ def test_a_shared_l2_block_overwritten_by_another_process_is_not_demoted_to_l3(l
         assert result.ok == [True, True]
         assert all(same_bytes(d, block_for(k, layout)) for d, k in zip(dst, keys))
         store.release(m)
+
+
+def test_persist_skips_a_shared_l2_block_that_fails_its_checksum(layout, l3_dir, shm_name):
+    import dataclasses
+
+    from _kv import store_config
+    from tierkv.store import TierKVStore
+
+    cfg = store_config(layout, 4, 16, l3_dir)
+    cfg = dataclasses.replace(cfg, l2=dataclasses.replace(cfg.l2, shared_name=shm_name))
+    with TierKVStore(cfg, layout, l1_blocks=4) as store:
+        tokens = prompt(60, 4, layout)
+        save_prompt(store, tokens)
+        save_prompt(store, prompt(61, 4, layout))
+        keys = store.hash(tokens)
+        assert store.index.match(keys) == [L2] * 4
+        store.l2.slab[store.l2.slot_of(keys[1])].view(torch.uint8).view(-1)[:64] = 7
+        assert store.persist(keys, L3) == 3
+        assert store.l3.contains(keys) == [True, False, True, True]
