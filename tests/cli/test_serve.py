@@ -186,3 +186,24 @@ def test_a_second_server_process_hits_what_the_first_persisted(server, tiny_mode
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_concurrent_requests_and_a_client_leaving_mid_stream(server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda i: request(server, "POST", "/v1/completions",
+                                                  {"prompt": f"request {i} " * 5, "max_tokens": 3}), range(4)))
+    assert [status for status, _ in results] == [200] * 4
+    assert all(out["usage"]["completion_tokens"] == 3 for _, out in results)
+    body = json.dumps({"prompt": "leave early", "max_tokens": 200, "stream": True}).encode()
+    with socket.create_connection(server, timeout=60) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        seen = b""
+        while b"data: " not in seen:
+            chunk = s.recv(4096)
+            assert chunk, "the stream closed before its first event"
+            seen += chunk
+    assert seen.startswith(b"HTTP/1.0 200")  # gone after the first event: the server must abort and free the engine
+    status, out = request(server, "POST", "/v1/completions", {"prompt": "after the leaver", "max_tokens": 2})
+    assert status == 200 and out["usage"]["completion_tokens"] == 2
