@@ -100,11 +100,14 @@ class RedisBackend:
         pool = self.client.connection_pool
         conn = pool.get_connection()
         try:
+            tail = b""  # the previous value's CRLF rides with the next command's first piece
             for i, (name, payload) in enumerate(zip(names, payloads)):
                 key, head = name.encode(), header(i)
                 size = len(head) + len(payload)
-                conn.send_packed_command([b"*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (len(key), key, size, head),
-                                          payload, b"\r\n"], check_health=False)
+                first = b"%s*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (tail, len(key), key, size, head)
+                conn.send_packed_command([first, payload], check_health=False)
+                tail = b"\r\n"
+            conn.send_packed_command([tail], check_health=False)
             replies = [conn.read_response(disconnect_on_error=True) for _ in names]
         except self._errors as exc:
             conn.disconnect()
