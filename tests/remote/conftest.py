@@ -91,6 +91,13 @@ class Server:
         self.kill()
         self.start()
 
+    def pause(self) -> None:
+        """SIGSTOP: the server keeps its sockets but answers nothing (a hung pool)."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+
 
 class RedisServer(Server):
     def __init__(self, workdir: Path, cluster: bool = False) -> None:
@@ -171,6 +178,12 @@ class MooncakePool:
 
     def restart(self) -> None:
         self.master.restart()
+
+    def pause(self) -> None:
+        self.master.pause()
+
+    def resume(self) -> None:
+        self.master.resume()
 
     def plant(self, name: str, value: bytes) -> None:
         """Store ``value`` under ``name`` with Mooncake's own client, replacing what is there."""

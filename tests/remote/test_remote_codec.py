@@ -122,3 +122,22 @@ def test_bad_urls_name_the_field():
         open_remote(L4Config(url="mooncake://127.0.0.1:1?segmnt=1GB"), LAYOUT)
     with pytest.raises(ValueError, match="protocol"):
         open_remote(L4Config(url="mooncake://127.0.0.1:1?protocol=ib"), LAYOUT)
+
+
+def test_rdma_detection_never_raises_and_says_why():
+    from tierkv.tiers.remote import rdma
+
+    report = rdma.detect()
+    assert report.usable or report.reason  # devices with an active port, or the reason there are none
+    assert report.summary().startswith("rdma: ")
+    if not report.usable:
+        assert "TCP" in report.summary()
+    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine cannot be imported here")
+    from tierkv.tiers.remote import open_backend
+
+    backend = open_backend("mooncake://127.0.0.1:1", 100, 4096)  # connecting is lazy: nothing listens there
+    try:
+        assert backend.protocol == ("rdma" if report.usable else "tcp")
+        assert backend.info()["rdma_reason"] == ("" if report.usable else report.reason)
+    finally:
+        backend.close()

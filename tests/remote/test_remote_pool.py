@@ -183,3 +183,45 @@ def test_redis_cluster_scheme_shares_between_nodes(redis_cluster, tmp_path, layo
     finally:
         a.close()
         b.close()
+
+
+def test_hung_server_times_out_then_recovers(pool, tmp_path, layout):
+    # SIGSTOP keeps the sockets open and answers nothing: only the client-side timeouts end the calls.
+    node = make_node(tmp_path, "n", layout, pool.url, timeout_ms=200, breaker_failures=2, breaker_reset_s=0.3)
+    try:
+        tokens = prompt(6, 3, layout)
+        keys = node.hash(tokens)
+        blocks = [block_for(k, layout) for k in keys]
+        assert node.l4.put(keys, blocks) == [True] * 3
+        pool.pause()
+        try:
+            for _ in range(3):
+                assert node.lookup(tokens, pin=False).tiers == []
+            dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in keys]
+            assert node.l4.get(keys, dst) == [False] * 3
+            s = node.stats()["l4"]
+            assert s["failed_calls"] >= 2 and s["breaker"] in ("open", "half_open") and s["breaker_opens"] >= 1
+        finally:
+            pool.resume()
+        deadline = time.monotonic() + 20
+        while node.lookup(tokens, pin=False).tiers != [Tier.L4] * 3:
+            assert time.monotonic() < deadline, f"L4 did not recover: {node.stats()['l4']}"
+            time.sleep(0.35)
+        dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in keys]
+        assert node.l4.get(keys, dst) == [True] * 3
+        assert all(same_bytes(d, b) for d, b in zip(dst, blocks))
+    finally:
+        node.close()
+
+
+def test_valkey_scheme_and_key_prefix(redis_server, tmp_path, layout):
+    url = redis_server.url.replace("redis://", "valkey://")
+    node = make_node(tmp_path, "n", layout, url, key_prefix="fleet-a")
+    try:
+        key = node.hash(prompt(7, 1, layout))[0]
+        assert node.l4.put([key], [block_for(key, layout)]) == [True]
+        names = [n.decode() for n in redis_server.client().keys("*")]
+        assert names == [f"fleet-a/{layout.fingerprint}/{key.hex()}"]
+        assert node.stats()["l4"]["backend"] == "redis"
+    finally:
+        node.close()
