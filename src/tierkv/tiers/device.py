@@ -43,6 +43,7 @@ class DeviceTier:
             self.pool = torch.zeros(layout.pool_shape(num_blocks), dtype=layout.torch_dtype, device=self.device)
         # Pop from the end; lowest slot ids first keeps tests' block ids predictable.
         self._free = list(range(num_blocks - 1, -1, -1))
+        self._is_free = bytearray(b"\x01" * num_blocks)
 
     @property
     def capacity(self) -> int:
@@ -56,10 +57,25 @@ class DeviceTier:
         """Take ``n`` free slots (the caller owns them until ``free``); OutOfBlocks if fewer."""
         if n > len(self._free):
             raise OutOfBlocks(f"l1: asked for {n} slots, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        slots = [self._free.pop() for _ in range(n)]
+        for slot in slots:
+            self._is_free[slot] = 0
+        return slots
 
     def free(self, slots: list[int]) -> None:
-        self._free.extend(reversed(slots))
+        """Return slots to the free list; a slot freed twice (or not ours) raises ValueError.
+
+        A double free would hand one slot to two blocks: silently wrong bytes later.
+        """
+        seen: set[int] = set()
+        for slot in slots:
+            if (not (isinstance(slot, int) and 0 <= slot < len(self._is_free)) or self._is_free[slot]
+                    or slot in seen):
+                raise ValueError(f"l1: slot {slot!r} is already free or not an L1 slot")
+            seen.add(slot)
+        for slot in reversed(slots):
+            self._is_free[slot] = 1
+            self._free.append(slot)
 
     def block(self, slot: int) -> torch.Tensor:
         """A view of one slot's canonical block (no copy)."""
