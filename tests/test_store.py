@@ -456,3 +456,17 @@ def test_persist_skips_a_shared_l2_block_that_fails_its_checksum(layout, l3_dir,
         store.l2.slab[store.l2.slot_of(keys[1])].view(torch.uint8).view(-1)[:64] = 7
         assert store.persist(keys, L3) == 3
         assert store.l3.contains(keys) == [True, False, True, True]
+
+
+def test_freeing_a_slot_twice_is_refused(make_store):
+    store = make_store(l1=4, l2=0, l3=0)
+    a, b = store.allocate(2)
+    store.free([a])
+    with pytest.raises(ValueError, match=r"^l1: slot .* already free"):
+        store.free([a])
+    with pytest.raises(ValueError, match=r"^l1: slot .* already free"):
+        store.free([b, b])
+    with pytest.raises(ValueError, match=r"^l1: slot 9 "):
+        store.free([9])
+    store.free([b])
+    assert sorted(store.allocate(4)) == [0, 1, 2, 3]
