@@ -315,13 +315,18 @@ def _coerce(raw: str, current: Any) -> Any:
     return raw
 
 
+# TIERKV_* variables other parts read (the CLI, the kernels, the native copy loop);
+# TIERKV_VLLM_* belong to the vLLM connector's config.
+_NOT_STORE_VARS = ("TIERKV_CACHE_DIR", "TIERKV_LOG_LEVEL", "TIERKV_CONFIG", "TIERKV_KERNELS", "TIERKV_NATIVE")
+
+
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     """``TIERKV_*`` variables as a nested dict; unknown names fail naming the variable."""
     out: dict[str, Any] = {}
     top = {f.name: f for f in fields(StoreConfig) if f.name not in _SECTIONS}
     defaults = StoreConfig.__new__(StoreConfig)
     for name, raw in env.items():
-        if not name.startswith("TIERKV_") or name in ("TIERKV_CACHE_DIR", "TIERKV_LOG_LEVEL"):
+        if not name.startswith("TIERKV_") or name in _NOT_STORE_VARS or name.startswith("TIERKV_VLLM_"):
             continue
         rest = name[len("TIERKV_"):].lower()
         section, _, field_name = rest.partition("_")
