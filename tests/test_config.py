@@ -214,6 +214,9 @@ def test_bad_toml_names_the_file_and_bad_values_the_field(tmp_path):
     ({"TIERKV_L3_ENABLED": "false"}, (None, "l3_enabled", False)),
     ({"TIERKV_NAMESPACE": "tenant-7"}, (None, "namespace", "tenant-7")),
     ({"TIERKV_CACHE_DIR": "/x", "TIERKV_LOG_LEVEL": "debug", "OTHER": "1"}, (None, "model_id", "unknown-model")),
+    # Read by the CLI, the kernels, the native copy loop and the vLLM connector, not the store.
+    ({"TIERKV_CONFIG": "/etc/t.toml", "TIERKV_KERNELS": "reference", "TIERKV_NATIVE": "0",
+      "TIERKV_VLLM_SAVE_ASYNC": "1"}, (None, "model_id", "unknown-model")),
 ])
 def test_env_overrides_apply(env, expected):
     cfg = StoreConfig.load(None, env=env)
@@ -261,7 +264,8 @@ def test_env_junk_names_the_field_or_is_a_valid_string(where, raw):
 def test_unknown_env_names_are_named(suffix):
     var = "TIERKV_" + suffix
     known = {f"TIERKV_{s}_{n}".upper() for s, n in FIELDS} | {f"TIERKV_{n}".upper() for n in TOP_LEVEL}
-    if var in known or var in ("TIERKV_CACHE_DIR", "TIERKV_LOG_LEVEL"):
+    if var in known or var.startswith("TIERKV_VLLM_") or var in (
+            "TIERKV_CACHE_DIR", "TIERKV_LOG_LEVEL", "TIERKV_CONFIG", "TIERKV_KERNELS", "TIERKV_NATIVE"):
         return
     with pytest.raises(ValueError, match=rf"^{var}: unknown setting"):
         env_overrides({var: "1"})
