@@ -503,8 +503,9 @@ class TierKVStore:
         For tools that must leave a prefix behind them (``tierkv warm``, the
         demo's restart). Walks the chain from its root and stops at the first
         block no local tier holds. Blocks stay where they are: a copy, not a
-        move. Returns the blocks written. Thread-safe; synchronous (written,
-        and for L3 durable, on return).
+        move. Returns the blocks written. Thread-safe; synchronous for L2/L3
+        (written, and for L3 durable, on return); L4 copies are queued on the
+        IO thread like every L4 put (``close`` waits until they are sent).
         """
         target = self.l4 if tier == Tier.L4 else self._tiers[tier] if tier != Tier.L1 else None
         if target is None:
