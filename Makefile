@@ -4,7 +4,7 @@ PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup system-deps test demo bench clean
+.PHONY: setup system-deps test test-vllm demo bench clean
 
 setup: $(STAMP)
 
@@ -21,7 +21,27 @@ system-deps:
 	@bash scripts/install-system-deps.sh
 
 test: setup system-deps
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --ignore=tests/vllm
+
+# vLLM connector tests against vLLM 0.32.0's real scheduler, in their own venv built as
+# ../shared/vllm-cpu/RECIPE.md says: CPU torch, vllm without its CUDA deps, the pinned lock.
+# Never a plain `pip install vllm` (it pulls several GB of CUDA packages).
+SHARED      ?= ../shared
+VLLM_VENV   ?= .venv-vllm
+VLLM_PY     := $(VLLM_VENV)/bin/python
+VLLM_STAMP  := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): pyproject.toml $(SHARED)/vllm-cpu/requirements-cpu-lock.txt
+	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q --no-deps vllm==0.32.0
+	$(VLLM_PY) -m pip install -q --no-deps -r $(SHARED)/vllm-cpu/requirements-cpu-lock.txt
+	$(VLLM_PY) -m pip install -q --no-deps xxhash lmdb
+	$(VLLM_PY) -m pip install -q --no-deps -e .
+	touch $@
+
+test-vllm: $(VLLM_STAMP)
+	HF_HUB_OFFLINE=1 $(VLLM_PY) -m pytest -q tests/vllm
 
 demo: setup
 	$(VENV)/bin/tierkv run
@@ -29,6 +49,7 @@ demo: setup
 bench: setup
 	$(PY) bench/tiers.py --quick --json bench/results/tiers.json
 	$(PY) bench/lookup.py --quick --json bench/results/lookup.json
+	$(PY) bench/connector.py --quick --json bench/results/connector.json
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache

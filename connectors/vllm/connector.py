@@ -33,6 +33,13 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        par = vllm_config.parallel_config
+        if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
+            raise ValueError(
+                f"parallel_config: tierkv's connector supports tensor_parallel_size=1 and "
+                f"pipeline_parallel_size=1 (a block holds every layer and head), got "
+                f"{par.tensor_parallel_size} and {par.pipeline_parallel_size}"
+            )
         xfer = vllm_config.kv_transfer_config
         if xfer.kv_load_failure_policy != "recompute":
             log.warning("tierkv: setting kv_load_failure_policy=recompute (was %r): a cache miss or "

@@ -97,6 +97,47 @@ def test_round_trip_is_byte_identical_fp16_partial_batch():
     assert not back[3].any()
 
 
+@pytest.fixture
+def native():
+    from tierkv.kernels import cpu_block_copy
+
+    if cpu_block_copy.library() is None:
+        pytest.skip("no C compiler: the native CPU loop is not built (the reference serves instead)")
+    return cpu_block_copy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_native_cpu_loop_matches_reference_bytes(native, name, dtype):
+    raw, kv, ids, blocks = make_case(*CASES[name], dtype=dtype)
+    expected, got = torch.empty_like(blocks), torch.empty_like(blocks)
+    gather_blocks_ref(kv, ids, expected)
+    native.gather_blocks(kv, ids, got)
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    raw2, kv2, _, _ = make_case(*CASES[name], dtype=dtype)
+    scatter_blocks_ref(kv, ids, blocks)
+    native.scatter_blocks(kv2, ids, blocks)
+    assert torch.equal(raw2.view(torch.uint8), raw.view(torch.uint8))
+
+
+def test_cpu_dispatch_uses_the_native_loop_unless_forced(native, monkeypatch):
+    calls = []
+    monkeypatch.setattr(native, "_run", lambda *a, **k: calls.append(k["scatter"]))
+    _, kv, ids, blocks = make_case(*CASES["cpu_planes"])
+    monkeypatch.delenv(kernels.ENV_VAR, raising=False)
+    kernels.gather_blocks(kv, ids, blocks)
+    kernels.scatter_blocks(kv, ids, blocks)
+    monkeypatch.setenv(kernels.ENV_VAR, "reference")
+    kernels.gather_blocks(kv, ids, blocks)
+    assert calls == [False, True]
+
+
+def test_native_loop_rejects_out_of_range_ids(native):
+    _, kv, ids, blocks = make_case(*CASES["cpu_planes"])
+    with pytest.raises(ValueError, match=re.escape("block_ids: expected ids in [0, 9)")):
+        native.gather_blocks(kv, torch.tensor([0, 1, 2, 3, 9]), blocks)
+
+
 def interpreted_results() -> dict:
     """Run in a subprocess with TRITON_INTERPRET=1 (see test_paged_attention.interpreted_results)."""
     from tierkv.kernels import gather_scatter as tgs

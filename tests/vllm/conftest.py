@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="the vLLM tests run in .venv-vllm (make test-vllm)")
+pytest.importorskip("vllm.v1.core.sched.scheduler", reason="the vLLM tests run in .venv-vllm (make test-vllm)")
 sys.path.insert(0, str(Path(__file__).parent))
 
 from harness import Engine, make_engine  # noqa: E402

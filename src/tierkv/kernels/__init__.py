@@ -96,12 +96,17 @@ def write_kv(
 
 def gather_blocks(kv: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tensor) -> None:
     """``blocks[i] = kv[:, block_ids[i]]``: an engine's cache [L, num_blocks, 2, B, Hkv, D]
-    (any strides) into contiguous canonical blocks [n, L, 2, B, Hkv, D].
+    (any strides) into contiguous canonical blocks [n, L, 2, B, Hkv, D]. On CPU it runs
+    ``cpu_block_copy``'s native loop (same bytes as the reference, which it falls back to).
 
     The caller owns both; nothing is pinned. Synchronous on CPU; stream-ordered on CUDA.
     """
     if backend_for(kv.device) == "triton":
         impl = _triton_module("gather_scatter").gather_blocks
+    elif kv.device.type == "cpu" and not os.environ.get(ENV_VAR):
+        from tierkv.kernels import cpu_block_copy
+
+        impl = cpu_block_copy.gather_blocks
     else:
         impl = gather_blocks_ref
     impl(kv, block_ids, blocks)
@@ -114,6 +119,10 @@ def scatter_blocks(kv: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tens
     """
     if backend_for(kv.device) == "triton":
         impl = _triton_module("gather_scatter").scatter_blocks
+    elif kv.device.type == "cpu" and not os.environ.get(ENV_VAR):
+        from tierkv.kernels import cpu_block_copy
+
+        impl = cpu_block_copy.scatter_blocks
     else:
         impl = scatter_blocks_ref
     impl(kv, block_ids, blocks)
