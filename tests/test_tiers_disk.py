@@ -255,3 +255,27 @@ def test_blocks_past_this_process_capacity_written_by_a_larger_opener_are_read_n
     assert hook.calls == [] and small.used == 10
     assert small.capacity == 12  # the directory's capacity, not this opener's
     small.close()
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("layout", [LAYOUT, ODD_LAYOUT], ids=["4KiB", "odd"])
+def test_random_flips_anywhere_hit_exactly_the_blocks_they_land_in(tmp_path, seed, layout):
+    import random
+
+    rng = random.Random(seed)
+    hook = Hook()
+    tier = DiskTier(tmp_path / "l3", layout, 24, on_failure=hook)
+    keys = put_keys(tier, range(16), layout)
+    slot = {r.key: r.slot for r in tier.records()}
+    size = os.path.getsize(tier.path / "slots.bin")
+    offsets = rng.sample(range(size), 12)  # distinct bytes: no flip undoes another
+    for off in offsets:
+        flip_byte(tier.path / "slots.bin", off)
+    # A flip matters only inside a block's bytes (not in a free slot or a slot's padding).
+    hit = {k for k in keys if any(slot[k] * tier.stride <= o < slot[k] * tier.stride + layout.block_bytes
+                                  for o in offsets)}
+    expected = [k not in hit for k in keys]
+    assert read_ok(tier, keys, layout, aligned=rng.random() < 0.5) == expected
+    assert hook.count("corrupt") == len(hit)
+    assert tier.contains(keys) == expected
+    tier.close()
