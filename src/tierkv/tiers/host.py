@@ -162,9 +162,11 @@ class HostTier:
         return self._slots.keys()
 
     def close(self) -> None:
+        """Unregister the slab and close a shared slab's map (so this process may open it again)."""
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.slab.data_ptr())
             self.pinned = False
+        self._slots.close()
 
 
 def _checksum(key: bytes, block: torch.Tensor) -> int:
@@ -209,6 +211,9 @@ class _LocalSlots:
     def keys(self) -> list[bytes]:
         with self._lock:
             return list(self._map)
+
+    def close(self) -> None:
+        pass
 
 
 class _SharedSlots:
@@ -270,3 +275,6 @@ class _SharedSlots:
     def keys(self) -> list[bytes]:
         with self._env.begin() as txn:
             return [bytes(k) for k, _ in txn.cursor(db=self._keys)]
+
+    def close(self) -> None:
+        self._env.close()  # LMDB allows one open environment per path and process
