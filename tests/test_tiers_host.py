@@ -135,3 +135,14 @@ def test_a_slot_reserved_by_a_writer_that_died_is_written_again(shm_name):
     assert tier.get([k], [dst]) == [True] and same_bytes(dst, block_for(k, LAYOUT))
     assert tier.used == 1
     tier.close()
+
+
+def test_a_closed_shared_slab_can_be_opened_again_in_this_process(shm_name):
+    first = HostTier(LAYOUT, 2, shared_name=shm_name, pin=False)
+    (k,) = keys("again")
+    first.put([k], [block_for(k, LAYOUT)])
+    first.close()
+    second = HostTier(LAYOUT, 2, shared_name=shm_name, pin=False)
+    dst = torch.empty(LAYOUT.block_shape, dtype=LAYOUT.torch_dtype)
+    assert second.get([k], [dst]) == [True] and same_bytes(dst, block_for(k, LAYOUT))
+    second.close()
