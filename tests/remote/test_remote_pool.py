@@ -89,8 +89,8 @@ def test_node_b_hits_what_node_a_saved(pool, tmp_path, layout):
 
 
 def test_server_killed_mid_run_is_misses_then_hits_resume(pool, tmp_path, layout):
-    a = make_node(tmp_path, "a", layout, pool.url, breaker_failures=2, breaker_reset_s=0.3)
-    b = make_node(tmp_path, "b", layout, pool.url, breaker_failures=2, breaker_reset_s=0.3)
+    a = make_node(tmp_path, "a", layout, pool.url, breaker_failures=2, breaker_reset_s=1.0)
+    b = make_node(tmp_path, "b", layout, pool.url, breaker_failures=2, breaker_reset_s=1.0)
     try:
         tokens = prompt(2, 4, layout)
         keys = save_prompt(a, tokens)
@@ -105,7 +105,7 @@ def test_server_killed_mid_run_is_misses_then_hits_resume(pool, tmp_path, layout
         for _ in range(4):
             assert b.lookup(tokens, pin=False).tiers == []
         s = b.stats()
-        assert s["l4"]["breaker"] == "open" and s["l4"]["breaker_opens"] >= 1
+        assert s["l4"]["breaker"] in ("open", "half_open") and s["l4"]["breaker_opens"] >= 1
         assert s["l4"]["skipped_calls"] >= 1
         assert s["failures"].get("l4_unavailable", 0) >= 2 and s["failures"].get("l4_breaker_open", 0) >= 1
         pool.restart()
@@ -116,7 +116,7 @@ def test_server_killed_mid_run_is_misses_then_hits_resume(pool, tmp_path, layout
         tokens3 = prompt(3, 4, layout)
         while b.lookup(tokens3, pin=False).tiers != [Tier.L4] * 4:
             assert time.monotonic() < deadline, "L4 hits did not resume after the restart"
-            time.sleep(0.35)
+            time.sleep(0.5)
         assert b.stats()["l4"]["breaker"] == "closed"
         _, slots, result = load_into_l1(b, tokens3)
         assert result.ok == [True] * 4
@@ -180,6 +180,8 @@ def test_redis_cluster_scheme_shares_between_nodes(redis_cluster, tmp_path, layo
         assert result.ok == [True] * 3
         assert all(same_bytes(b.l1.block(s), block_for(k, layout)) for k, s in zip(keys, slots))
         assert b.stats()["l4"]["backend"] == "redis-cluster"
+        b.l4.remove(keys)  # keys in different hash slots: one call
+        assert b.l4.contains(keys) == [False] * 3
     finally:
         a.close()
         b.close()
@@ -187,7 +189,7 @@ def test_redis_cluster_scheme_shares_between_nodes(redis_cluster, tmp_path, layo
 
 def test_hung_server_times_out_then_recovers(pool, tmp_path, layout):
     # SIGSTOP keeps the sockets open and answers nothing: only the client-side timeouts end the calls.
-    node = make_node(tmp_path, "n", layout, pool.url, timeout_ms=200, breaker_failures=2, breaker_reset_s=0.3)
+    node = make_node(tmp_path, "n", layout, pool.url, timeout_ms=200, breaker_failures=2, breaker_reset_s=1.0)
     try:
         tokens = prompt(6, 3, layout)
         keys = node.hash(tokens)
@@ -206,7 +208,7 @@ def test_hung_server_times_out_then_recovers(pool, tmp_path, layout):
         deadline = time.monotonic() + 20
         while node.lookup(tokens, pin=False).tiers != [Tier.L4] * 3:
             assert time.monotonic() < deadline, f"L4 did not recover: {node.stats()['l4']}"
-            time.sleep(0.35)
+            time.sleep(0.5)
         dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in keys]
         assert node.l4.get(keys, dst) == [True] * 3
         assert all(same_bytes(d, b) for d, b in zip(dst, blocks))
