@@ -117,6 +117,8 @@ class HostTier:
             if fresh:
                 self._copy_in(slot, src)
                 if self._shared:
+                    if src.device.type != "cpu":  # the device->host copy above is asynchronous
+                        torch.cuda.current_stream(src.device).synchronize()
                     self._slots.commit(key, slot, _checksum(key, self.slab[slot]))
             out.append(True)
         return out
