@@ -132,3 +132,19 @@ def test_namespaces_do_not_share_blocks(make_llm, baseline):
     other = llm.generate(prompts(), GREEDY, namespace="tenant-b")
     assert [o.token_ids for o in other] == baseline
     assert all(o.hit_tokens["l1"] == 0 for o in other[:1])
+
+
+def test_write_through_saves_reach_l3_without_eviction(make_llm, baseline, tmp_path):
+    import dataclasses
+
+    from tierkv.config import PolicyConfig
+
+    cfg = dataclasses.replace(store_config(tmp_path / "l3", l2=0), policy=PolicyConfig(write="write_through"))
+    first = make_llm(cfg)
+    first.generate(prompts(), GREEDY)
+    first.store.flush()
+    assert first.store.l3.used > 0 and first.store.index.counts[0] > 0  # copied down, still in L1
+    first.close()
+    warm = make_llm(cfg).generate(prompts(), GREEDY)
+    assert [o.token_ids for o in warm] == baseline
+    assert_hits(warm, "l3")
