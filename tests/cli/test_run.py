@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_tierkv
+from cli_helpers import run_tierkv
 
 
 @pytest.mark.slow

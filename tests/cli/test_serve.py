@@ -12,6 +12,7 @@ import sys
 import urllib.request
 
 import pytest
+from cli_helpers import tiny_model  # noqa: F401  (fixture)
 
 MAX_BODY = 64 * 1024
 

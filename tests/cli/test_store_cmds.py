@@ -13,7 +13,7 @@ import tarfile
 import time
 
 import pytest
-from conftest import LAYOUT, populate, run_tierkv
+from cli_helpers import LAYOUT, cache, populate, run_tierkv  # noqa: F401  (fixtures)
 
 from tierkv import KVLayout
 from tierkv.catalog import open_l3

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from conftest import run_tierkv
+from cli_helpers import cache, run_tierkv, tiny_model  # noqa: F401  (fixtures)
 
 SYSTEM = "You are a careful assistant. " * 6  # 174 bytes: 10 full blocks of 16 tokens
 

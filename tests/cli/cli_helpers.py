@@ -1,4 +1,4 @@
-"""Fixtures for the `tierkv` command tests: run the real command in a subprocess."""
+"""Helpers for the `tierkv` command tests: run the real command in a subprocess, fill an L3 directly."""
 
 from __future__ import annotations
 
@@ -65,10 +65,19 @@ def cache(tmp_path: Path) -> Path:
     return tmp_path / "cache"
 
 
+_MODELS: dict[str, Path] = {}
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    """The seeded `tiny` checkpoint, written once per session through the real checkpoint writer."""
-    out = tmp_path_factory.mktemp("models") / "tiny"
-    subprocess.run([sys.executable, "-m", "tierkv.engine.checkpoint", str(out), "--preset", "tiny"],
-                   check=True, capture_output=True, timeout=120)
-    return out
+    """The seeded `tiny` checkpoint, written once per session through the real checkpoint writer.
+
+    (No conftest.py here on purpose: other test directories import their own
+    ``conftest`` by name, and a second module of that name would shadow theirs.)
+    """
+    if "tiny" not in _MODELS:
+        out = tmp_path_factory.mktemp("models") / "tiny"
+        subprocess.run([sys.executable, "-m", "tierkv.engine.checkpoint", str(out), "--preset", "tiny"],
+                       check=True, capture_output=True, timeout=120)
+        _MODELS["tiny"] = out
+    return _MODELS["tiny"]
