@@ -7,6 +7,7 @@ correctness           every Triton kernel on CUDA against its torch reference
 device_copy_gbps      a device-to-device copy: (bytes read + bytes written) / s
 decode_read_gbps      decode paged attention: K/V bytes read / kernel time
 decode_fraction       decode_read_gbps / device_copy_gbps
+decode_small          the same for 4 sequences of a long context (split-KV decode)
 promotion_gbps        TierKVStore.load of blocks held in L2 (pinned host) into
                       L1 (device) slots: bytes / wall time from load() to wait()
 pinned_copy_gbps      one plain copy of the same bytes from a pinned host buffer
@@ -30,14 +31,15 @@ from _common import parser, print_table, write_json  # noqa: E402
 
 DEVICE = "cuda"  # the one place naming the device, so the script can be dry-run on CPU
 SIZES = {
-    "quick": dict(copy_mib=256, decode_seqs=32, decode_ctx=2048, promo_blocks=64, promo_reps=3),
-    "full": dict(copy_mib=1024, decode_seqs=64, decode_ctx=4096, promo_blocks=256, promo_reps=5),
+    "quick": dict(copy_mib=256, decode_seqs=32, decode_ctx=2048, small_ctx=8192, promo_blocks=64, promo_reps=3),
+    "full": dict(copy_mib=1024, decode_seqs=64, decode_ctx=4096, small_ctx=16384, promo_blocks=256, promo_reps=5),
 }
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 # name: (seqs as (context_len, q_len), Hq, Hkv, head_dim, block_size)
 ATTENTION_CASES = {
     "mixed_gqa4": ([(700, 300), (513, 513), (1500, 1), (16, 1), (40, 7)], 32, 8, 128, 16),
-    "decode_gqa4": ([(c, 1) for c in (1, 17, 255, 1024, 2049, 333, 4000, 64)], 32, 8, 128, 16),
+    "decode_gqa4": ([(c, 1) for c in (1, 17, 255, 1024, 2049, 333, 4000, 64)], 32, 8, 128, 16),  # split-KV
+    "decode_many": ([(1 + (37 * i) % 600, 1) for i in range(64)], 32, 8, 128, 16),  # 512 programs: no split
     "odd_gqa3_d80": ([(301, 45), (95, 1), (129, 129)], 12, 4, 80, 32),
     "mha_d64": ([(1030, 1030), (77, 1)], 8, 8, 64, 16),
 }
@@ -181,7 +183,7 @@ def device_copy_gbps(nbytes: int) -> float:
 
 
 def decode_bandwidth(num_seqs: int, ctx: int, copy_gbps: float) -> dict:
-    from tierkv.kernels.triton_paged_attention import paged_attention
+    from tierkv.kernels.triton_paged_attention import _num_splits, paged_attention
 
     hq, hkv, d, block, dtype = 32, 8, 128, 16, torch.float16
     blocks_per_seq = ctx // block
@@ -199,7 +201,7 @@ def decode_bandwidth(num_seqs: int, ctx: int, copy_gbps: float) -> dict:
     seconds = cuda_seconds(lambda: paged_attention(**args), iters=50)
     read = num_seqs * ctx * hkv * d * 2 * pool.element_size()
     gbps = read / seconds / 1e9
-    return dict(num_seqs=num_seqs, context_len=ctx, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+    return dict(num_seqs=num_seqs, context_len=ctx, splits=_num_splits(num_seqs, num_seqs, hkv), num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
                 block_size=block, dtype=str(dtype), kernel_us=seconds * 1e6, kv_bytes_read=read,
                 decode_read_gbps=gbps, device_copy_gbps=copy_gbps, decode_fraction=gbps / copy_gbps)
 
@@ -272,6 +274,7 @@ def main() -> int:
     size = SIZES["quick" if args.quick else "full"]
     copy_gbps = device_copy_gbps(size["copy_mib"] << 20)
     decode = decode_bandwidth(size["decode_seqs"], size["decode_ctx"], copy_gbps)
+    decode_small = decode_bandwidth(4, size["small_ctx"], copy_gbps)
     promo = promotion(size["promo_blocks"], size["promo_reps"])
     all_ok = all(c["ok"] for c in checks)
     rows = [(f"{c['kernel']}/{c['case']}/{c['dtype'].removeprefix('torch.')}",
@@ -282,6 +285,9 @@ def main() -> int:
         ("decode_read_gbps", f"{decode['decode_read_gbps']:.0f}",
          f"{decode['num_seqs']} seqs x {decode['context_len']} ctx, fp16, {decode['kernel_us']:.0f} us"),
         ("decode_fraction", f"{decode['decode_fraction']:.2f}", "of device_copy_gbps"),
+        ("decode_small_read_gbps", f"{decode_small['decode_read_gbps']:.0f}",
+         f"4 seqs x {decode_small['context_len']} ctx, {decode_small['splits']} KV splits, "
+         f"{decode_small['kernel_us']:.0f} us, {decode_small['decode_fraction']:.2f} of copy"),
         ("promotion_gbps", f"{promo['promotion_gbps']:.1f}",
          f"store.load L2 -> L1, {promo['num_blocks']} x {promo['block_bytes'] >> 20} MiB blocks, "
          f"l2 pinned={promo['l2_pinned']}, bytes verified={promo['bytes_verified']}"),
@@ -293,7 +299,7 @@ def main() -> int:
     write_json(args.json, dict(
         device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
         quick=args.quick, all_correct=all_ok, correctness=checks, device_copy_gbps=copy_gbps,
-        decode=decode, promotion=promo,
+        decode=decode, decode_small=decode_small, promotion=promo,
     ))
     return 0 if all_ok else 1
 

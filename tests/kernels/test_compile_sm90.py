@@ -33,26 +33,18 @@ TRITON_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "b
 
 class _Recorder:
     def __init__(self) -> None:
-        self.args: tuple = ()
-        self.kwargs: dict = {}
+        self.calls: list[tuple[tuple, dict]] = []
 
     def __getitem__(self, grid):
         def record(*args, **kwargs):
-            self.args, self.kwargs = args, kwargs
+            self.calls.append((args, kwargs))
 
         return record
 
 
-def _compile_recorded(monkeypatch, module, name: str, launch) -> object:
-    """Run ``launch`` with ``module.name`` recorded, then compile the real kernel for TARGET."""
-    kernel = getattr(module, name)
-    if not isinstance(kernel, triton.runtime.JITFunction):
-        pytest.skip("triton was imported with TRITON_INTERPRET set: kernels are interpreted, not compiled")
-    recorder = _Recorder()
-    monkeypatch.setattr(module, name, recorder)
-    launch()
+def _signature(kernel, args: tuple, kwargs: dict) -> tuple[dict, dict]:
     signature, constexprs = {}, {}
-    positional = dict(zip(kernel.arg_names, recorder.args))
+    positional = dict(zip(kernel.arg_names, args))
     for arg in kernel.arg_names:
         if arg in positional:
             value = positional[arg]
@@ -64,10 +56,28 @@ def _compile_recorded(monkeypatch, module, name: str, launch) -> object:
                 signature[arg] = "i64" if abs(value) >= 2**31 else "i32"
         else:
             signature[arg] = "constexpr"
-            constexprs[arg] = recorder.kwargs[arg]
-    options = {k: v for k, v in recorder.kwargs.items() if k in OPTIONS}
-    src = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
-    return triton_compile(src, target=TARGET, options=options)
+            constexprs[arg] = kwargs[arg]
+    return signature, constexprs
+
+
+def _compile_recorded(monkeypatch, module, names: list[str], launch) -> dict:
+    """Run ``launch`` with the kernels ``names`` of ``module`` recorded; compile each launched one for TARGET."""
+    kernels, recorders = {}, {}
+    for name in names:
+        kernels[name] = getattr(module, name)
+        if not isinstance(kernels[name], triton.runtime.JITFunction):
+            pytest.skip("triton was imported with TRITON_INTERPRET set: kernels are interpreted, not compiled")
+        recorders[name] = _Recorder()
+        monkeypatch.setattr(module, name, recorders[name])
+    launch()
+    compiled = {}
+    for name, recorder in recorders.items():
+        for args, kwargs in recorder.calls:
+            signature, constexprs = _signature(kernels[name], args, kwargs)
+            options = {k: v for k, v in kwargs.items() if k in OPTIONS}
+            src = ASTSource(fn=kernels[name], signature=signature, constexprs=constexprs)
+            compiled[name] = triton_compile(src, target=TARGET, options=options)
+    return compiled
 
 
 def _attention_args(seqs, hq, hkv, d, dtype):
@@ -85,20 +95,24 @@ def _attention_args(seqs, hq, hkv, d, dtype):
 
 
 @pytest.mark.parametrize(
-    "dtype,seqs",
+    "dtype,seqs,kernels",
     [
-        (torch.float16, [(40, 20), (17, 1)]),  # prefill tile (64 rows)
-        (torch.bfloat16, [(40, 1), (17, 1)]),  # decode tile (16 rows)
-        (torch.float32, [(40, 20), (17, 1)]),  # IEEE dots, 32-token K/V tiles
+        (torch.float16, [(40, 20), (17, 1)], 1),  # prefill tile (64 rows)
+        (torch.bfloat16, [(40, 1), (17, 1)], 2),  # decode tile (16 rows), split-KV + merge
+        (torch.float16, [(40, 1)] * 64, 1),  # decode tile, enough programs: no split
+        (torch.float32, [(40, 20), (17, 1)], 1),  # IEEE dots, 32-token K/V tiles
     ],
-    ids=["fp16-prefill", "bf16-decode", "fp32-prefill"],
+    ids=["fp16-prefill", "bf16-split-decode", "fp16-decode", "fp32-prefill"],
 )
-def test_paged_attention_compiles_for_sm90(monkeypatch, dtype, seqs):
+def test_paged_attention_compiles_for_sm90(monkeypatch, dtype, seqs, kernels):
     args = _attention_args(seqs, hq=32, hkv=8, d=128, dtype=dtype)
-    compiled = _compile_recorded(monkeypatch, tpa, "_paged_attention_kernel", lambda: tpa.paged_attention(**args))
-    assert compiled.asm["cubin"]
-    # The H100/H200 limit is 227 KB per block; sm_86/89 have 99 KB.
-    assert compiled.metadata.shared <= 99 * 1024
+    compiled = _compile_recorded(monkeypatch, tpa, ["_paged_attention_kernel", "_merge_splits_kernel"],
+                                 lambda: tpa.paged_attention(**args))
+    assert len(compiled) == kernels
+    for kernel in compiled.values():
+        assert kernel.asm["cubin"]
+        # The H100/H200 limit is 227 KB per block; sm_86/89 have 99 KB.
+        assert kernel.metadata.shared <= 99 * 1024
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -107,6 +121,6 @@ def test_write_kv_compiles_for_sm90(monkeypatch, dtype):
     kv = torch.zeros(5, 2, 8, 128, dtype=dtype)
     slots = torch.arange(5, dtype=torch.int64)
     compiled = _compile_recorded(
-        monkeypatch, twk, "_write_kv_kernel", lambda: twk.write_kv(pool, 1, kv[:, 0], kv[:, 1], slots)
+        monkeypatch, twk, ["_write_kv_kernel"], lambda: twk.write_kv(pool, 1, kv[:, 0], kv[:, 1], slots)
     )
-    assert compiled.asm["cubin"]
+    assert compiled["_write_kv_kernel"].asm["cubin"]

@@ -97,6 +97,7 @@ CASES = {
     "long_prefill": dict(seqs=[(100, 70), (33, 33)], hq=4, hkv=1, d=32),
     "odd_group_dim": dict(seqs=[(30, 12), (9, 1), (25, 1)], hq=6, hkv=2, d=24, block=8),
     "empty_seq": dict(seqs=[(20, 0), (19, 3)], layers=1, layer=0),
+    "split_decode": dict(seqs=[(300, 1), (5, 1), (129, 1)], hq=4, hkv=1, d=32),
 }
 
 
@@ -147,9 +148,16 @@ def interpreted_results() -> dict:
         out = tpa.paged_attention(*case.args())
         ok = out.shape == case.q.shape and out.dtype == case.q.dtype
         results[f"fp32/{name}"] = [ok, rel_err(out, paged_attention_ref(*case.args()))]
-    case = make_case(**CASES["mixed"], dtype=torch.float16)
-    out = tpa.paged_attention(*case.args())
-    results["fp16/mixed"] = [out.dtype == torch.float16, rel_err(out, paged_attention_ref(*case.args()))]
+    for name in ("mixed", "split_decode"):
+        case = make_case(**CASES[name], dtype=torch.float16)
+        out = tpa.paged_attention(*case.args())
+        results[f"fp16/{name}"] = [out.dtype == torch.float16, rel_err(out, paged_attention_ref(*case.args()))]
+    results["splits/decode"] = tpa._num_splits(4, 4, 2)
+    tpa.SPLIT_TARGET_PROGRAMS = 1  # the same decode batches without split-KV
+    for name in ("decode", "split_decode"):
+        case = make_case(**CASES[name])
+        out = tpa.paged_attention(*case.args())
+        results[f"fp32/{name}/no_split"] = [True, rel_err(out, paged_attention_ref(*case.args()))]
     case = make_case(**CASES["decode"])
     os.environ[kernels.ENV_VAR] = "triton"
     via_dispatch = kernels.paged_attention(*case.args())
@@ -175,10 +183,27 @@ def test_triton_matches_reference_fp32(triton_results, name):
     assert err <= 1e-5
 
 
-def test_triton_matches_reference_fp16(triton_results):
-    dtype_ok, err = triton_results["fp16/mixed"]
+@pytest.mark.parametrize("name", ["mixed", "split_decode"])
+def test_triton_matches_reference_fp16(triton_results, name):
+    dtype_ok, err = triton_results[f"fp16/{name}"]
     assert dtype_ok
     assert err <= 2e-3
+
+
+@pytest.mark.parametrize("name", ["decode", "split_decode"])
+def test_triton_decode_without_split_kv_matches_reference(triton_results, name):
+    assert triton_results["splits/decode"] == 16  # the split runs above really split
+    assert triton_results[f"fp32/{name}/no_split"][1] <= 1e-5
+
+
+def test_split_kv_only_for_decode_batches_that_underfill_the_device():
+    triton = pytest.importorskip("triton")  # noqa: F841
+    from tierkv.kernels.triton_paged_attention import MAX_SPLITS, _num_splits
+
+    assert _num_splits(num_tokens=70, num_seqs=2, num_kv_heads=1) == 1  # prefill
+    assert _num_splits(num_tokens=64, num_seqs=64, num_kv_heads=8) == 1  # 512 programs already
+    assert _num_splits(num_tokens=16, num_seqs=16, num_kv_heads=8) == 4  # 128 programs -> 512
+    assert _num_splits(num_tokens=1, num_seqs=1, num_kv_heads=8) == MAX_SPLITS
 
 
 def test_dispatch_forced_triton_runs_the_triton_kernel(triton_results):
