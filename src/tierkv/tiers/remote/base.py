@@ -50,8 +50,8 @@ FailureHook = Callable[[str, str, int, str], None]  # (tier, reason, blocks, det
 _FAILED = object()  # what ``RemoteTier._call`` returns for a skipped or failed call
 
 # Why a value is not usable; each is a failure reason in the store's metrics.
-OK, MISSING, TRUNCATED, FOREIGN, LAYOUT, CORRUPT, UNAUTHENTICATED = (
-    "ok", "missing", "truncated", "foreign", "layout", "corrupt", "unauthenticated")
+OK, TRUNCATED, FOREIGN, LAYOUT, CORRUPT, UNAUTHENTICATED = (
+    "ok", "truncated", "foreign", "layout", "corrupt", "unauthenticated")
 
 
 class RemoteUnavailable(Exception):
@@ -239,11 +239,13 @@ class Deadline:
 class RemoteBackend(Protocol):
     """What a pool client provides. Names are strings; every call is batched.
 
-    Methods raise RemoteUnavailable (or any exception) when the pool does not
-    answer; per-name misses are reported in the results.
+    Methods raise RemoteUnavailable, or one of ``errors`` (the client
+    library's own), when the pool does not answer; per-name misses are
+    reported in the results. Anything else is a bug and propagates.
     """
 
     url: str
+    errors: tuple[type[BaseException], ...]
 
     def exists(self, names: list[str]) -> list[bool]: ...
 
@@ -316,7 +318,7 @@ class RemoteTier:
         self._count(calls=1)
         try:
             out = fn(*args)
-        except Exception as exc:  # any client error is a pool failure: a miss, never an exception
+        except (RemoteUnavailable, *self.backend.errors) as exc:
             self.breaker.failure()
             self._count(failed_calls=1)
             self._on_failure(self.name, "unavailable", n, f"{self.backend.url} {what}: {exc!r}")

@@ -106,6 +106,7 @@ class MooncakeBackend:
         self.url = self.opts.url
         self.timeout_s = timeout_ms / 1000.0
         self.value_bytes = value_bytes
+        self.errors: tuple[type[BaseException], ...] = (OSError,)
         self.protocol, self.devices, self.rdma_reason = self._pick_protocol()
         self._deadline = Deadline(self.timeout_s, "tierkv-mooncake")
         # Membership and removal touch no buffer: their own worker, so a lookup never waits behind a transfer.

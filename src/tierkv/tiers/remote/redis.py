@@ -60,7 +60,7 @@ class RedisBackend:
             self.client = RedisCluster.from_url(client_url, require_full_coverage=False, **common)
         else:
             self.client = redis.Redis.from_url(client_url, **common)
-        self._errors = (redis.RedisError, OSError)
+        self.errors = self._errors = (redis.RedisError, OSError)
 
     def _pipeline(self):
         return self.client.pipeline(transaction=False)
