@@ -312,6 +312,29 @@ class TierKVStore:
         self.transfer.io(put)
         return True
 
+    def _copies_for_l4(self, entries: Sequence[Entry]) -> list[tuple[BlockHash, torch.Tensor, Lineage]]:
+        """Caller holds the lock: CPU copies of ``entries`` for a write-through L4 put (none without L4)."""
+        if self.l4 is None:
+            return []
+        out = []
+        for entry in entries:
+            src = self._block_view(entry, entry.best)
+            if src is None:
+                continue
+            self.transfer.d2h_sync()
+            copy = torch.empty(src.shape, dtype=src.dtype)
+            if src.device.type == "cpu":
+                copy_block(copy, src)
+            else:
+                copy.copy_(src)
+            out.append((entry.key, copy, Lineage(entry.parent, entry.depth)))
+        return out
+
+    def _send_l4(self, keys, blocks, lineage) -> None:
+        """IO thread, outside the lock: one batched L4 put; failures are counted by the tier."""
+        ok = self.l4.put(list(keys), list(blocks), list(lineage))
+        self.metrics.add("bytes", ("l4", "write"), sum(ok) * self.layout.block_bytes)
+
     def _make_room(self, tier: int, n: int) -> None:
         t = self._tiers[tier]
         while t.capacity - (self.index.counts[tier] if tier != Tier.L3 else t.used) < n:
@@ -452,12 +475,13 @@ class TierKVStore:
         return [t for t in LOCAL_TIERS if t > entry.best and self._tiers[t] is not None and not entry.in_tier(t)]
 
     def _persist_async(self, entries: Sequence[Entry]) -> None:
-        """Copy ``entries`` down to L2/L3 on the IO thread (write_through, write_through_selective).
+        """Copy ``entries`` down to L2/L3 (and L4 under write_through) on the IO thread.
 
         Caller holds the lock. Each entry is pinned until its copy has landed,
         so its source slot cannot be evicted or reused meanwhile.
         """
-        todo = [e for e in entries if e.key not in self._persisting and self._persist_targets(e)]
+        to_l4 = self.l4 is not None and self.config.policy.write == "write_through"
+        todo = [e for e in entries if e.key not in self._persisting and (to_l4 or self._persist_targets(e))]
         if not todo:
             return
         self.index.pin(todo)
@@ -473,11 +497,14 @@ class TierKVStore:
                         src = self._block_view(entry, entry.best)
                         self.transfer.d2h_sync()
                         self._put_lower(entry, Tier.L2, src)
+                to_l4 = self._copies_for_l4(entries) if self.config.policy.write == "write_through" else []
                 to_l3 = [e for e in entries if Tier.L3 in self._persist_targets(e)]
                 srcs = [self._block_view(e, e.best) for e in to_l3]  # L1/L2 slots, stable while pinned
                 if to_l3:
                     self.transfer.d2h_sync()
                     self._make_room(Tier.L3, len(to_l3))
+            if to_l4:
+                self._send_l4(*zip(*to_l4))
             if not to_l3:
                 return
             ok = self.l3.put([e.key for e in to_l3], srcs, [Lineage(e.parent, e.depth) for e in to_l3])

@@ -28,9 +28,10 @@ def pool(request):
 
 
 def make_node(tmp_path, name: str, layout: KVLayout, url: str, l1: int = 8, l2: int = 1, l3: int = 1,
-              **l4) -> TierKVStore:
+              policy=None, **l4) -> TierKVStore:
     l4.setdefault("timeout_ms", 300)
-    cfg = store_config(layout, l2, l3, tmp_path / name / "l3", l4=L4Config(url=url, **l4))
+    extra = {"policy": policy} if policy is not None else {}
+    cfg = store_config(layout, l2, l3, tmp_path / name / "l3", l4=L4Config(url=url, **l4), **extra)
     return TierKVStore(cfg, layout, l1_blocks=l1)
 
 
@@ -227,3 +228,22 @@ def test_valkey_scheme_and_key_prefix(redis_server, tmp_path, layout):
         assert node.stats()["l4"]["backend"] == "redis"
     finally:
         node.close()
+
+
+def test_write_through_puts_to_l4_on_fill(redis_server, tmp_path, layout):
+    from tierkv.config import PolicyConfig
+
+    a = make_node(tmp_path, "a", layout, redis_server.url, l2=8, l3=8,
+                  policy=PolicyConfig(name="lru", write="write_through"))
+    b = make_node(tmp_path, "b", layout, redis_server.url)
+    try:
+        tokens = prompt(8, 3, layout)
+        keys = save_prompt(a, tokens)  # nothing evicted: only write-through can have sent them
+        drain(a)
+        assert a.stats()["evictions"] == {} and a.l4.contains(keys) == [True] * 3
+        _, slots, result = load_into_l1(b, tokens)
+        assert result.ok == [True] * 3
+        assert all(same_bytes(b.l1.block(s), block_for(k, layout)) for k, s in zip(keys, slots))
+    finally:
+        a.close()
+        b.close()
