@@ -136,3 +136,30 @@ def orphans(records: Sequence[Record]) -> set[bytes]:
     present = {rec.key for rec in records}
     broken = [rec.key for rec in records if rec.depth > 0 and rec.parent not in present]
     return subtree(records, broken)
+
+
+def evict(l3: DiskTier, catalog: Catalog, namespaces: set[str], cutoff: float | None = None) -> int:
+    """Remove the chains labelled with one of ``namespaces``, or (with ``cutoff``) the blocks
+    written before it, together with every block below them. Returns the blocks removed."""
+    records = list(l3.records())
+    if cutoff is None:
+        roots = [k for k, ns in catalog.namespaces().items() if ns in namespaces]
+    else:
+        roots = [r.key for r in records if r.created < cutoff]
+    doomed = subtree(records, roots) & {r.key for r in records}
+    l3.remove(sorted(doomed))
+    catalog.forget(doomed)
+    return len(doomed)
+
+
+def evict_namespace(l3_path: str | Path, namespace: str) -> int:
+    """``evict`` of one namespace in the L3 directory at ``l3_path`` (0 when there is none)."""
+    if stored_layout(l3_path) is None:
+        return 0
+    l3 = open_l3(l3_path)
+    catalog = Catalog(l3_path)
+    try:
+        return evict(l3, catalog, {namespace})
+    finally:
+        catalog.close()
+        l3.close()

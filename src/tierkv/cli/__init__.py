@@ -16,7 +16,8 @@ try:  # typer >= 0.17 vendors click; older ones raise click's own exceptions
 except ImportError:
     from click import ClickException as _ClickError
 
-from tierkv.cli import bench_cmd, engine_cmds, info_cmd, run_cmd, store_cmds  # noqa: F401  (registers commands)
+# Import order is the order of `tierkv --help`.
+from tierkv.cli import run_cmd, info_cmd, store_cmds, engine_cmds, bench_cmd  # noqa: F401, I001  (registers commands)
 from tierkv.cli.common import CLIError, app, err_console
 
 __all__ = ["app", "main"]

@@ -18,9 +18,8 @@ from rich import box
 from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from tierkv.catalog import stored_layout
+from tierkv.catalog import evict_namespace
 from tierkv.cli.common import CacheDir, CLIError, ConfigFile, Debug, app, console, settings
-from tierkv.cli.store_cmds import evict_some
 from tierkv.demo import FULL, NAMESPACE, QUICK, write_chart
 from tierkv.metrics import TIER_NAMES
 
@@ -122,8 +121,7 @@ def run_cmd(
                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("preparing the demo model", total=2 * work.users * work.turns)
         model_dir = model or ensure_demo_model(s.cache_dir)
-        if stored_layout(s.l3_path) is not None:
-            evict_some(s, {NAMESPACE}, None)  # pass 1 starts cold whatever an earlier run left
+        evict_namespace(s.l3_path, NAMESPACE)  # pass 1 starts cold whatever an earlier run left
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
             json.dump({"model": str(model_dir), "store_config": s.config.to_dict(),
                        "workload": dataclasses.asdict(work)}, fh)

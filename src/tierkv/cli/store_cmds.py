@@ -12,7 +12,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.tree import Tree
 
-from tierkv.catalog import UNLABELLED, Catalog, open_l3, orphans, stored_layout, subtree
+from tierkv.catalog import UNLABELLED, Catalog, evict, open_l3, orphans, stored_layout
 from tierkv.cli.common import (
     CacheDir, CLIError, ConfigFile, Debug, Json, app, console, human_age, human_bytes, parse_duration,
     print_json, settings,
@@ -205,20 +205,13 @@ def evict_some(s, namespaces: set[str], cutoff: float | None) -> dict:
     l3 = _open(s)
     catalog = Catalog(s.l3_path)
     try:
-        records = list(l3.records())
-        if namespaces:
-            roots = [k for k, ns in catalog.namespaces().items() if ns in namespaces]
-        else:
-            roots = [r.key for r in records if r.created < cutoff]
-        doomed = subtree(records, roots) & {r.key for r in records}
-        l3.remove(sorted(doomed))
-        catalog.forget(doomed)
+        removed = evict(l3, catalog, namespaces, cutoff)
         left = l3.used
-        nbytes = len(doomed) * l3.block_bytes
+        nbytes = removed * l3.block_bytes
     finally:
         catalog.close()
         l3.close()
-    return {"path": str(s.l3_path), "removed": len(doomed), "bytes": nbytes, "left": left}
+    return {"path": str(s.l3_path), "removed": removed, "bytes": nbytes, "left": left}
 
 
 # -- export / import --------------------------------------------------------------
