@@ -60,7 +60,12 @@ def _run_pass(plan_path: Path, index: int, bar: Progress, task, debug: bool) -> 
                                 stderr=None if debug else err, text=True)
         result = None
         for line in proc.stdout:
-            event = json.loads(line)
+            try:
+                event = json.loads(line)
+            except json.JSONDecodeError:  # a library printing to stdout; not ours
+                continue
+            if not isinstance(event, dict) or "event" not in event:
+                continue
             if event["event"] == "turn":
                 bar.update(task, advance=1, description=f"pass {index + 1} ({PASS_NAMES[index]}): "
                                                         f"user {event['user']} turn {event['turn']}")
