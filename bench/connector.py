@@ -48,7 +48,7 @@ def gbps(nbytes: int, seconds: float) -> float:
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
     torch.set_num_threads(1)
-    n, num_blocks, reps = (32, 96, 7) if args.quick else (128, 384, 9)
+    n, num_blocks, reps = (32, 96, 15) if args.quick else (128, 384, 25)
     caches = vllm_cpu_caches(num_blocks)
     kv = cache_view(caches, list(caches), LAYOUT, "planes")
     nbytes = n * LAYOUT.block_bytes
