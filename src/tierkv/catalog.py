@@ -54,14 +54,24 @@ class Catalog:
 
     def count_hits(self, keys: Sequence[bytes], when: float | None = None) -> None:
         """Add one hit to each of ``keys`` (the blocks one request found cached)."""
+        if keys:
+            with self._env.begin(write=True) as txn:
+                self._add_hits(txn, keys, time.time() if when is None else when)
+
+    def record(self, keys: Sequence[bytes], namespace: str, hit_blocks: int) -> None:
+        """One finished request in one transaction: label its chain ``keys`` with ``namespace``
+        and count a hit on its first ``hit_blocks`` blocks."""
         if not keys:
             return
-        when = time.time() if when is None else when
         with self._env.begin(write=True) as txn:
-            for key in keys:
-                raw = txn.get(key, db=self._hits)
-                n = _HIT.unpack(raw)[0] if raw is not None else 0
-                txn.put(key, _HIT.pack(n + 1, when), db=self._hits)
+            txn.put(keys[0], namespace.encode(), db=self._ns)
+            self._add_hits(txn, keys[:hit_blocks], time.time())
+
+    def _add_hits(self, txn, keys: Sequence[bytes], when: float) -> None:
+        for key in keys:
+            raw = txn.get(key, db=self._hits)
+            n = _HIT.unpack(raw)[0] if raw is not None else 0
+            txn.put(key, _HIT.pack(n + 1, when), db=self._hits)
 
     def hits(self) -> dict[bytes, tuple[int, float]]:
         with self._env.begin() as txn:

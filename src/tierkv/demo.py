@@ -131,8 +131,7 @@ def _turn(cached, nocache, catalog, prompt: list[int], max_tokens: int) -> tuple
     keys = cached.store.hash(prompt + out.token_ids, NAMESPACE)
     written = cached.store.persist(keys)
     if catalog is not None:
-        catalog.label(keys[:1], NAMESPACE)
-        catalog.count_hits(keys[: sum(out.hit_tokens.values()) // cached.store.block_size])
+        catalog.record(keys, NAMESPACE, sum(out.hit_tokens.values()) // cached.store.block_size)
     ref = nocache.generate([prompt], SamplingParams(max_tokens=1))[0]
     row = {
         "prompt_tokens": len(prompt),

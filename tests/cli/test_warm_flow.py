@@ -40,6 +40,9 @@ def test_warm_ls_verify_export_evict_import_hits_again(cache, tiny_model, tmp_pa
     # the last token of a prompt is always computed, so a prompt hits its full blocks before it
     assert again["hit_tokens"]["l3"] == (11 + 12 + 3) * 16
     assert again["blocks_written"] == {"l3": 0}
+    segs = run_tierkv("ls", "--json", "--cache-dir", str(cache)).json()["segments"]
+    roots = sorted((g["namespace"], g["hits"]) for g in segs if g["parent"] is None)
+    assert roots == [("", 1), ("", 1), ("tenant-b", 1)]  # each chain was hit once, by the second warm
 
 
 def test_warm_rejects_a_bad_prompts_file(cache, tiny_model, tmp_path):

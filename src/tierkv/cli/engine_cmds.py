@@ -47,8 +47,8 @@ class Recorder:
         keys = store.hash(list(prompt_ids) + list(out.token_ids), namespace)
         if self.persist:
             store.persist(keys)
-        self.catalog.label(keys[:1], store.config.namespace if namespace is None else namespace)
-        self.catalog.count_hits(keys[: sum(out.hit_tokens.values()) // store.block_size])
+        self.catalog.record(keys, store.config.namespace if namespace is None else namespace,
+                            sum(out.hit_tokens.values()) // store.block_size)
 
     def close(self) -> None:
         if self.catalog is not None:
