@@ -189,5 +189,9 @@ def serve_cmd(
         err_console.print("stopping")
     finally:
         server.httpd.server_close()
+        # let a request that is generating finish (bounded) before the engine goes away under it
+        held = server.engine_lock.acquire(timeout=30)
         recorder.close()
         llm.close()
+        if held:
+            server.engine_lock.release()
