@@ -165,7 +165,7 @@ class Engine:
 
     # -- driving and checking -------------------------------------------------
 
-    def run(self, max_steps: int = 200) -> None:
+    def run(self, max_steps: int = 1000) -> None:
         """Step until every request finished and vLLM freed its blocks (async saves included)."""
         for _ in range(max_steps):
             if not self.scheduler.requests:
@@ -175,7 +175,7 @@ class Engine:
                 time.sleep(0.01)
         raise AssertionError(f"requests still open after {max_steps} steps: {list(self.scheduler.requests)}")
 
-    def step_until(self, cond, max_steps: int = 200) -> None:
+    def step_until(self, cond, max_steps: int = 1000) -> None:
         for _ in range(max_steps):
             if cond():
                 return
