@@ -23,10 +23,18 @@ import pytest
 REDIS_BIN = shutil.which("redis-server")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+_GIVEN: set[int] = set()
+
+
+def free_port(below: int = 65536) -> int:
+    """A loopback port nobody listens on, never handed out twice in this session, under ``below``."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port < below and port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: float = 20.0) -> None:
@@ -101,7 +109,7 @@ class Server:
 
 class RedisServer(Server):
     def __init__(self, workdir: Path, cluster: bool = False) -> None:
-        port = free_port()
+        port = free_port(below=55536) if cluster else free_port()  # the cluster bus listens on port + 10000
         argv = [REDIS_BIN, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
                 "--save", "", "--appendonly", "no", "--protected-mode", "yes"]
         if cluster:
