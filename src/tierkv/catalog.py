@@ -73,6 +73,12 @@ class Catalog:
             n = _HIT.unpack(raw)[0] if raw is not None else 0
             txn.put(key, _HIT.pack(n + 1, when), db=self._hits)
 
+    def set_hits(self, counts: dict[bytes, tuple[int, float]]) -> None:
+        """Overwrite the hit counts of ``counts``' keys (import of a snapshot)."""
+        with self._env.begin(write=True) as txn:
+            for key, (n, when) in counts.items():
+                txn.put(key, _HIT.pack(n, when), db=self._hits)
+
     def hits(self) -> dict[bytes, tuple[int, float]]:
         with self._env.begin() as txn:
             return {bytes(k): _HIT.unpack(v) for k, v in txn.cursor(db=self._hits)}

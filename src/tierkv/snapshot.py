@@ -4,7 +4,7 @@ A snapshot is a plain tar file with three members:
 
 - ``manifest.json``: format, layout (and fingerprint), model id and revision,
   block bytes, counts, the sha256 of the two other members, namespace labels;
-- ``records.jsonl``: one line per block (key, parent, depth, created, xxh3 of its bytes);
+- ``records.jsonl``: one line per block (key, parent, depth, created, xxh3 of its bytes, hits);
 - ``blocks.bin``: the blocks' bytes, back to back, in ``records.jsonl`` order.
 
 Export reads every block through the L3 checksum, so a snapshot never carries
@@ -56,6 +56,7 @@ def export_l3(l3: DiskTier, catalog: Catalog, dest: str | Path) -> SnapshotRepor
     dest = Path(dest)
     meta = l3.meta()
     records = sorted(l3.records(), key=lambda r: (r.depth, r.key))
+    hits = catalog.hits()
     skipped = roots = 0
     lines = []
     with tempfile.TemporaryDirectory(dir=dest.parent if dest.parent.exists() else None) as tmp:
@@ -73,6 +74,7 @@ def export_l3(l3: DiskTier, catalog: Catalog, dest: str | Path) -> SnapshotRepor
                 lines.append(json.dumps({
                     "key": rec.key.hex(), "parent": rec.parent.hex() if rec.parent else None,
                     "depth": rec.depth, "created": rec.created, "xxh3": xxhash.xxh3_64_hexdigest(raw),
+                    "hits": list(hits.get(rec.key, (0, 0.0))),
                 }))
         records_blob = ("\n".join(lines) + "\n").encode() if lines else b""
         exported = {json.loads(line)["key"] for line in lines}
@@ -176,6 +178,7 @@ def import_l3(src: str | Path, l3_path: str | Path, capacity_blocks: int, direct
             by_ns.setdefault(ns, []).append(bytes.fromhex(key))
         for ns, roots in by_ns.items():
             catalog.label(roots, ns)
+        catalog.set_hits({bytes.fromhex(r["key"]): tuple(r["hits"]) for r in records if r.get("hits", [0])[0]})
     finally:
         catalog.close()
     return SnapshotReport(written, count - written, written * layout.block_bytes,

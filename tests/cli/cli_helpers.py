@@ -42,7 +42,10 @@ def store_config(cache: Path, model_id: str = "m") -> StoreConfig:
 
 
 def populate(cache: Path, layout: KVLayout = LAYOUT, model_id: str = "m") -> dict[str, list[list[bytes]]]:
-    """Write the chains of PROMPTS straight into L3 (block i of a chain filled with i); returns their keys."""
+    """Write the chains of PROMPTS straight into L3 (block i of a chain filled with i); returns their keys.
+
+    Chain b has hits recorded: 2 on its first block, 1 on its second.
+    """
     store = TierKVStore(store_config(cache, model_id), layout, l1_blocks=0)
     catalog = Catalog(cache / "l3")
     out: dict[str, list[list[bytes]]] = {}
@@ -53,6 +56,9 @@ def populate(cache: Path, layout: KVLayout = LAYOUT, model_id: str = "m") -> dic
                 blocks = [torch.full(layout.block_shape, float(i), dtype=layout.torch_dtype) for i in range(len(keys))]
                 assert all(store.put_blocks(keys, blocks))
                 catalog.label([keys[0]], ns)
+                if ns == "b":
+                    catalog.count_hits(keys[:2])
+                    catalog.count_hits(keys[:1])
                 out.setdefault(ns, []).append(keys)
     finally:
         catalog.close()

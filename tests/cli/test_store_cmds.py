@@ -131,6 +131,8 @@ def test_import_of_another_layout_or_model_is_refused(cache, tmp_path):
     assert run_tierkv("evict", "--all", "--cache-dir", str(other)).code == 0
     r = run_tierkv("import", str(snap), "--json", "--cache-dir", str(other))
     assert r.code == 0 and r.json()["blocks"] == 17, r.err
+    segs = run_tierkv("ls", "--json", "--cache-dir", str(other)).json()["segments"]
+    assert {(g["namespace"], g["hits"]) for g in segs if g["parent"] is None} == {("a", 0), ("b", 2)}
 
 
 def test_import_of_a_damaged_snapshot_fails(cache, tmp_path):
