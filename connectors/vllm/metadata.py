@@ -51,12 +51,15 @@ class TierKVMetadata(KVConnectorMetadata):
 
 @dataclass
 class TierKVWorkerMetadata(KVConnectorWorkerMetadata):
-    """Worker -> scheduler: loads finished (pins can go), saves finished
-    (save_id -> blocks stored, a leading run), and keys whose load failed."""
+    """Worker -> scheduler: loads finished (pins can go), loads that stopped
+    short (request -> first chain position not loaded: vLLM recomputes from
+    there and those blocks must be saved again), saves finished (save_id ->
+    blocks stored, a leading run), and keys whose load failed."""
 
     loads_done: set[str] = field(default_factory=set)
     saves_done: dict[int, int] = field(default_factory=dict)
     lost: list[bytes] = field(default_factory=list)
+    loads_short: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, TierKVWorkerMetadata):
@@ -64,4 +67,7 @@ class TierKVWorkerMetadata(KVConnectorWorkerMetadata):
         saves = dict(self.saves_done)
         for save_id, n in other.saves_done.items():
             saves[save_id] = min(n, saves.get(save_id, n))
-        return TierKVWorkerMetadata(self.loads_done | other.loads_done, saves, self.lost + other.lost)
+        short = dict(self.loads_short)
+        for req_id, pos in other.loads_short.items():
+            short[req_id] = min(pos, short.get(req_id, pos))
+        return TierKVWorkerMetadata(self.loads_done | other.loads_done, saves, self.lost + other.lost, short)

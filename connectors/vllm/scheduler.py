@@ -196,6 +196,7 @@ class ConnectorScheduler:
             if st is not None:
                 self._drop_match(st)
                 st.loading = False
+                st.stored_upto = min(st.stored_upto, wm.loads_short.get(req_id, st.stored_upto))
         for save_id, n_ok in wm.saves_done.items():
             req_id, spec, tokens = self._saves.pop(save_id, (None, None, None))
             if spec is None:

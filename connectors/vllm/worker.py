@@ -72,6 +72,7 @@ class ConnectorWorker:
         self._loads_done: set[str] = set()
         self._saves_done: dict[int, int] = {}
         self._lost: list[bytes] = []
+        self._loads_short: dict[str, int] = {}
         self._running: Counter[str] = Counter()
         self._reading: Counter[int] = Counter()
         self._report: set[str] = set()
@@ -131,6 +132,8 @@ class ConnectorWorker:
         with self._lock:
             self._lost.extend(lost)
             self._loads_done.add(spec.req_id)
+            if good < len(spec.block_ids):
+                self._loads_short[spec.req_id] = spec.start + good
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose delayed free may happen now, requests whose async load completed)."""
@@ -251,8 +254,8 @@ class ConnectorWorker:
         with self._lock:
             if not (self._loads_done or self._saves_done or self._lost):
                 return None
-            meta = TierKVWorkerMetadata(self._loads_done, self._saves_done, self._lost)
-            self._loads_done, self._saves_done, self._lost = set(), {}, []
+            meta = TierKVWorkerMetadata(self._loads_done, self._saves_done, self._lost, self._loads_short)
+            self._loads_done, self._saves_done, self._lost, self._loads_short = set(), {}, [], {}
         return meta
 
     def shutdown(self) -> None:
