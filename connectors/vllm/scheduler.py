@@ -100,9 +100,11 @@ class ConnectorScheduler:
         keys = self._keys(st, limit)[:limit]
         if start >= limit:
             st.stored_upto = self.store.lookup_keys(keys, pin=False).num_blocks
+            st.saved_upto = min(st.saved_upto, st.stored_upto)  # re-admitted: re-save what was evicted
             return 0, False
         m = self.store.lookup_keys(keys, pin=True)
         st.stored_upto = m.num_blocks
+        st.saved_upto = min(st.saved_upto, st.stored_upto)
         if m.num_blocks <= start:
             self.store.release(m)
             return 0, False
