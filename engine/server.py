@@ -53,6 +53,18 @@ class ServerConfig:
     max_tokens_limit: int = 4096
     read_timeout_s: float = 30.0
 
+    def __post_init__(self) -> None:
+        for name, lo, hi in (("port", 0, 65535), ("max_body_bytes", 1, None), ("max_tokens_limit", 1, None)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo or (hi is not None and value > hi):
+                bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+                raise ValueError(f"server.{name}: expected an integer {bound}, got {value!r}")
+        if not isinstance(self.model_name, str) or not self.model_name:
+            raise ValueError(f"server.model_name: expected a non-empty string, got {self.model_name!r}")
+        if isinstance(self.read_timeout_s, bool) or not isinstance(self.read_timeout_s, (int, float)) \
+                or not self.read_timeout_s > 0:
+            raise ValueError(f"server.read_timeout_s: expected a number of seconds > 0, got {self.read_timeout_s!r}")
+
 
 # -- request validation -------------------------------------------------------------
 

@@ -164,14 +164,15 @@ def serve_cmd(
 
     s = settings(cache_dir, config, debug)
     try:
-        body_limit = parse_size(max_body, "--max-body")
+        server_config = ServerConfig(host, port, served_model_name or model.resolve().name,
+                                     parse_size(max_body, "--max-body"), max_tokens)
     except ValueError as exc:
         raise CLIError(str(exc), 2) from None
     llm = open_llm(s, model, num_blocks, threads, max_model_len)
     recorder = Recorder(llm, persist)
-    name = served_model_name or model.resolve().name
+    name = server_config.model_name
     try:
-        server = EngineServer(llm, ServerConfig(host, port, name, body_limit, max_tokens), on_request=recorder)
+        server = EngineServer(llm, server_config, on_request=recorder)
     except OSError as exc:
         recorder.close()
         llm.close()
