@@ -126,6 +126,17 @@ def test_reference_single_decode_equals_batched_decode():
         torch.testing.assert_close(one, batched[s : s + 1], rtol=1e-6, atol=1e-6)
 
 
+def test_reference_decode_groups_sorted_by_length_match_dense():
+    # 11 decodes in shuffled length order: groups of DECODE_GROUP, a partial last group,
+    # and a prefill between them.
+    from tierkv.kernels.reference import DECODE_GROUP
+
+    seqs = [(90, 1), (3, 1), (47, 1), (47, 1), (120, 1), (16, 1), (33, 9), (61, 1), (1, 1), (17, 1), (99, 1), (64, 1)]
+    assert sum(q == 1 for _, q in seqs) > 2 * DECODE_GROUP
+    case = make_case(seqs=seqs)
+    assert rel_err(paged_attention_ref(*case.args()), dense_attention(case)) <= 1e-6
+
+
 def test_reference_leaves_pool_untouched():
     case = make_case(**CASES["mixed"])
     before = case.pool.clone()

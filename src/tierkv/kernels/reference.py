@@ -22,6 +22,12 @@ import torch.nn.functional as F
 from tierkv.kernels.checks import check_paged_attention, check_write_kv
 
 
+# Decode sequences per attention call, sorted by context length. One padded call for
+# 32 sequences of 144-767 tokens took 4.9 ms of CPU time; groups of 4 took 2.6-2.8 ms
+# (padding is what a group wastes, a call costs ~0.1 ms of overhead).
+DECODE_GROUP = 4
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return dtype if dtype in (torch.float32, torch.float64) else torch.float32
 
@@ -127,21 +133,23 @@ def paged_attention_ref(
     out = torch.empty_like(q)
     ctx_list = context_lens.tolist()
     starts = query_start_loc.tolist()
-    decode = [s for s in range(len(ctx_list)) if starts[s + 1] - starts[s] == 1]
     for s in range(len(ctx_list)):
         q_len, ctx = starts[s + 1] - starts[s], ctx_list[s]
-        if q_len <= 1 and (q_len == 0 or len(decode) > 1):
+        if q_len <= 1:
             continue
         n_blocks = -(-ctx // block_size)
         blocks = block_tables[s, :n_blocks].long()
         q_s = q[starts[s] : starts[s + 1]]
         out[starts[s] : starts[s + 1]] = _prefill_one(q_s, k_cache, v_cache, blocks, ctx, scale, cdt)
-    if len(decode) > 1:
-        idx = torch.tensor(decode, device=q.device)
-        ctxs = context_lens.long()[idx]
-        n_blocks = -(-max(ctx_list[s] for s in decode) // block_size)
+    # Decode rows in groups of similar context length: little padding, few calls.
+    decode = sorted((s for s in range(len(ctx_list)) if starts[s + 1] - starts[s] == 1), key=ctx_list.__getitem__)
+    for i in range(0, len(decode), DECODE_GROUP):
+        group = decode[i : i + DECODE_GROUP]
+        idx = torch.tensor(group, device=q.device)
+        n_blocks = -(-ctx_list[group[-1]] // block_size)
         tables = block_tables[idx, :n_blocks].long()
         rows = query_start_loc.long()[idx]
+        ctxs = context_lens.long()[idx]
         out[rows] = _decode_batch(q[rows], k_cache, v_cache, tables, ctxs, scale, cdt).to(q.dtype)
     return out
 
