@@ -32,16 +32,21 @@ def _open(s):
 
 
 def _segments(records, labels, hits, now):
-    """Collapse single-child runs of blocks into segments; returns (roots, children) of segment dicts."""
+    """Collapse single-child runs of blocks into segments; returns (segments, parent id -> child segments).
+
+    Iterative (a long conversation branches once per turn, deeper than Python's recursion limit).
+    """
     by_key = {r.key: r for r in records}
     kids: dict[bytes, list[bytes]] = {}
     for r in records:
         if r.parent in by_key:
             kids.setdefault(r.parent, []).append(r.key)
-    starts = [r for r in records if r.parent not in by_key]
+    starts = sorted((r for r in records if r.parent not in by_key),
+                    key=lambda r: (labels.get(r.key, UNLABELLED), r.created))
     segs, tree = [], {}
-
-    def build(first, parent_id, namespace):
+    todo = [(r.key, None, labels.get(r.key, UNLABELLED) if r.depth == 0 else "(orphan)") for r in reversed(starts)]
+    while todo:
+        first, parent_id, namespace = todo.pop()
         run = [by_key[first]]
         while len(kids.get(run[-1].key, ())) == 1:
             run.append(by_key[kids[run[-1].key][0]])
@@ -53,18 +58,15 @@ def _segments(records, labels, hits, now):
         }
         segs.append(seg)
         tree.setdefault(parent_id, []).append(seg)
-        for child in sorted(kids.get(run[-1].key, ()), key=lambda k: -hits.get(k, (0, 0.0))[0]):
-            build(child, seg["id"], namespace)
-
-    for r in sorted(starts, key=lambda r: (labels.get(r.key, UNLABELLED), r.created)):
-        build(r.key, None, labels.get(r.key, UNLABELLED) if r.depth == 0 else "(orphan)")
+        children = sorted(kids.get(run[-1].key, ()), key=lambda k: -hits.get(k, (0, 0.0))[0])
+        todo.extend((child, seg["id"], namespace) for child in reversed(children))
     return segs, tree
 
 
 @app.command("ls", epilog="Example: `tierkv ls --namespace demo --depth 2`")
 def ls_cmd(
     namespace: Annotated[str | None, typer.Option("--namespace", "-n", help="Only chains hashed under this namespace.")] = None,
-    depth: Annotated[int, typer.Option("--depth", "-d", min=1, help="Show at most this many levels of branching.")] = 8,
+    depth: Annotated[int, typer.Option("--depth", "-d", min=1, max=100, help="Show at most this many levels of branching.")] = 8,
     json_out: Json = False, cache_dir: CacheDir = None, config: ConfigFile = None, debug: Debug = False,
 ) -> None:
     """List the cached prefixes in L3 as a tree: each line is a run of blocks with its depth, tier, hits and age."""
