@@ -23,7 +23,10 @@ class EngineConfig:
     ``max_num_batched_tokens`` tokens; a prompt longer than what is left of that
     budget is prefilled in chunks when ``chunked_prefill`` is on, otherwise it
     waits for a step with room for all of it (a prompt longer than the whole
-    budget then runs alone). ``num_threads`` 0 leaves torch's setting alone.
+    budget then runs alone). ``max_model_len`` 0 means the model's
+    ``max_position_embeddings``. ``num_threads`` 0 leaves torch's setting alone.
+    ``load_wait_s`` bounds one wait for a load when nothing else can run (the
+    engine then polls again).
     """
 
     num_blocks: int = 1024
