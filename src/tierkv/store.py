@@ -257,11 +257,17 @@ class TierKVStore:
 
     def _demote(self, entry: Entry, tier: int) -> None:
         key, lower = entry.key, self._lower(tier)
-        if lower is not None and (lower == Tier.L4 or not entry.in_tier(lower)):
-            src = self._block_view(entry, tier)
-            if src is not None:
-                self._put_lower(entry, lower, src)
-                self.transfer.d2h_sync()  # the device slot is reused as soon as we return
+        src = None
+        # One tier down; when that tier cannot take it (full of pinned blocks, of another
+        # process's blocks in a shared slab, a full disk), the next one: a victim never
+        # vanishes while some tier below could keep it.
+        while lower is not None and (lower == Tier.L4 or not entry.in_tier(lower)):
+            src = self._block_view(entry, tier) if src is None else src
+            if src is None or self._put_lower(entry, lower, src) or lower == Tier.L4:
+                break
+            lower = self._lower(lower)
+        if src is not None:
+            self.transfer.d2h_sync()  # the device slot is reused as soon as we return
         if tier == Tier.L1:
             slot = entry.l1_slot
             self.index.drop(key, Tier.L1)
