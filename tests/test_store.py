@@ -470,3 +470,18 @@ def test_freeing_a_slot_twice_is_refused(make_store):
         store.free([9])
     store.free([b])
     assert sorted(store.allocate(4)) == [0, 1, 2, 3]
+
+
+def test_a_victim_the_next_tier_cannot_take_goes_one_further_down(make_store, layout):
+    store = make_store(l1=4, l2=4, l3=16)
+    a, b, c = (prompt(70 + i, 4, layout) for i in range(3))
+    save_prompt(store, a)
+    save_prompt(store, b)                  # a -> L2
+    m = store.lookup(a)                    # a pinned in L2: L2 has nothing to evict
+    assert m.tiers == [L2] * 4
+    save_prompt(store, c)                  # b leaves L1: L2 cannot take it, L3 can
+    store.release(m)
+    mb = store.lookup(b)
+    assert mb.tiers == [L3] * 4
+    check_loaded_into_l1(store, mb, load_into_l1(store, mb)[1])
+    store.release(mb)
