@@ -1,6 +1,6 @@
 """L4 bandwidth through tierkv's remote tier against each backend's own client, in the same run.
 
-redis_raw_put/get_gbps     redis-py pipelines SET/GET of values of the same size (no header, no checks)
+redis_raw_put/get_gbps     redis-py pipelines SET/GET of values of the same size (no header, no checks; same read size, hiredis when installed)
 redis_put/get_gbps         RemoteTier over redis:// (header + xxh3 checksum, MAC off; get verifies and copies into a block)
 mooncake_raw_put/get_gbps  MooncakeDistributedStore.batch_put_from / batch_get_into from a registered buffer
 mooncake_put/get_gbps      RemoteTier over mooncake:// (same checks as Redis)
@@ -101,7 +101,9 @@ class RawRedis:
     def __init__(self, url: str, values: list[bytes]) -> None:
         import redis
 
-        self.client = redis.Redis.from_url(url, socket_timeout=30)
+        from tierkv.tiers.remote.redis import READ_SIZE
+
+        self.client = redis.Redis.from_url(url, socket_timeout=30, socket_read_size=READ_SIZE)  # as the tier's
         self.values = values
         self.names = [f"bench-raw/{i}" for i in range(len(values))]
 

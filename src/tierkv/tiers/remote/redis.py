@@ -11,7 +11,9 @@ retries are off, so a dead server costs one short timeout per call, after
 which the tier's breaker stops asking. Writes to a single server send each
 value as header + payload pieces on one connection (redis-py's packed-command
 API), so the block is never copied into one string. Thread-safe: redis-py's
-connection pool hands each call its own connection.
+connection pool hands each call its own connection. Install ``hiredis`` (in
+the ``redis`` extra) for replies: redis-py's pure-Python parser reads
+512 KiB values about 3x slower.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from collections.abc import Callable
 from urllib.parse import urlsplit, urlunsplit
 
 from tierkv.tiers.remote.base import RemoteUnavailable
+
+
+READ_SIZE = 1 << 20  # bytes per recv: values are whole blocks (hundreds of KiB), not small strings
 
 
 def _import_redis():
@@ -53,7 +58,8 @@ class RedisBackend:
         self.cluster = scheme == "redis+cluster"
         client_url = ("rediss://" if scheme == "rediss" else "redis://") + rest
         timeout = timeout_ms / 1000.0
-        common = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0))
+        common = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
+                      socket_read_size=READ_SIZE)
         if self.cluster:
             from redis.cluster import RedisCluster
 
