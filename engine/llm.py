@@ -43,6 +43,8 @@ class LLM:
         self.config = ec = engine_config or EngineConfig()
         if ec.num_threads:
             torch.set_num_threads(ec.num_threads)
+        if ec.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"engine.device: {ec.device!r} asked for but CUDA is not available; use 'auto' or 'cpu'")
         device = resolve_device(ec.device)
         self.model = load_model(model_dir, getattr(torch, ec.dtype), device)
         mc = self.model.config

@@ -147,3 +147,11 @@ def test_a_request_that_outgrows_l1_ends_with_length(make_llm, reference):
     streamed = list(llm.stream(prompt, SamplingParams(max_tokens=100, ignore_eos=True)))
     assert streamed[-1].finish_reason == "length" and streamed[-1].token_ids == out.token_ids
     assert llm.store.l1.num_free == 4
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the CPU-only error")
+def test_cuda_device_without_cuda_names_the_field(tiny_dir):
+    from tierkv.engine import LLM
+
+    with pytest.raises(ValueError, match="engine.device"):
+        LLM(tiny_dir, engine_config=EngineConfig(device="cuda"))
