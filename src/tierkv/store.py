@@ -167,8 +167,8 @@ class TierKVStore:
         keys = list(keys)
         with self._lock:
             tiers = self.index.match(keys)
-            if len(tiers) < len(keys) and self.l3 is not None:
-                self._probe_l3(keys, tiers)
+            if len(tiers) < len(keys) and (self.l3 is not None or (self.l2 is not None and self.l2.shared)):
+                self._probe_shared(keys, tiers)
             if len(tiers) < len(keys) and self.l4 is not None:
                 for hit in self._probe_l4(keys[len(tiers):]):
                     if not hit:
@@ -197,14 +197,21 @@ class TierKVStore:
             self._on_failure("l4", "error", len(keys), repr(exc))
             return [False] * len(keys)
 
-    def _probe_l3(self, keys: list[BlockHash], tiers: list[int]) -> None:
-        """Blocks another process wrote to a shared L3 since we opened it."""
+    def _probe_shared(self, keys: list[BlockHash], tiers: list[int]) -> None:
+        """Blocks other processes put in a shared L2 slab or in L3 since we opened them."""
         start = len(tiers)
-        for i, hit in enumerate(self.l3.contains(keys[start:]), start):
-            if not hit:
+        rest = keys[start:]
+        none = [False] * len(rest)
+        in_l2 = self.l2.contains(rest) if self.l2 is not None and self.l2.shared else none
+        in_l3 = self.l3.contains(rest) if self.l3 is not None else none
+        for i, (l2_hit, l3_hit) in enumerate(zip(in_l2, in_l3), start):
+            if not (l2_hit or l3_hit):
                 break
-            self.index.add(keys[i], keys[i - 1] if i else None, i, Tier.L3)
-            tiers.append(Tier.L3)
+            parent = keys[i - 1] if i else None
+            for tier, hit in ((Tier.L2, l2_hit), (Tier.L3, l3_hit)):
+                if hit:
+                    self.index.add(keys[i], parent, i, tier)
+            tiers.append(Tier.L2 if l2_hit else Tier.L3)
 
     # -- L1 slots -------------------------------------------------------------
 
