@@ -36,6 +36,27 @@ def shm_exchange(name: str, capacity: int, expect: list[str], put: list[str]) ->
     return {"seen": seen, "written": written, "used": tier.used}
 
 
+def shm_store_lookup(name: str, seeds: list[int], num_blocks: int) -> dict:
+    """A store whose L2 is the shared slab ``name`` (no L3): look up and load each prompt."""
+    import dataclasses
+
+    from tierkv.store import TierKVStore
+
+    cfg = store_config(LAYOUT, 4, 0, "/nonexistent")
+    cfg = dataclasses.replace(cfg, l2=dataclasses.replace(cfg.l2, shared_name=name))
+    out = {}
+    with TierKVStore(cfg, LAYOUT, l1_blocks=8) as store:
+        for seed in seeds:
+            m = store.lookup(prompt(seed, num_blocks, LAYOUT))
+            slots = store.allocate(len(m.to_load))
+            result = store.load(m, slots).wait(30)
+            correct = [same_bytes(store.l1.block(m.entries[i].l1_slot), block_for(m.keys[i], LAYOUT))
+                       for i in range(result.num_ok)]
+            out[seed] = {"tiers": m.tiers, "num_ok": result.num_ok, "correct": all(correct)}
+            store.release(m)
+    return out
+
+
 # -- L3 persistence -------------------------------------------------------------
 
 def l3_lookup(path: str, seeds: list[int], num_blocks: int, model_id: str = "unknown-model") -> dict:
@@ -161,7 +182,8 @@ def l3_mixed(path: str, worker: int, seconds: float, universe: int, num_blocks: 
 
 if __name__ == "__main__":
     cmd, args = sys.argv[1], json.loads(sys.argv[2])
-    result = {"shm": shm_exchange, "l3_lookup": l3_lookup, "l3_save": l3_save, "l3_fill": l3_fill}[cmd](**args)
+    result = {"shm": shm_exchange, "l3_lookup": l3_lookup, "l3_save": l3_save, "l3_fill": l3_fill,
+              "shm_store_lookup": shm_store_lookup}[cmd](**args)
     print(json.dumps(result))
     sys.stdout.flush()
     os._exit(0)

@@ -146,3 +146,21 @@ def test_a_closed_shared_slab_can_be_opened_again_in_this_process(shm_name):
     dst = torch.empty(LAYOUT.block_shape, dtype=LAYOUT.torch_dtype)
     assert second.get([k], [dst]) == [True] and same_bytes(dst, block_for(k, LAYOUT))
     second.close()
+
+
+def test_stores_in_two_processes_hit_each_others_shared_l2_blocks(shm_name):
+    import dataclasses
+
+    from _kv import prompt, save_prompt, store_config
+    from tierkv.index import Tier
+    from tierkv.store import TierKVStore
+
+    cfg = store_config(LAYOUT, 4, 0, "/nonexistent")
+    cfg = dataclasses.replace(cfg, l2=dataclasses.replace(cfg.l2, shared_name=shm_name))
+    with TierKVStore(cfg, LAYOUT, l1_blocks=2) as store:
+        save_prompt(store, prompt(1, 2, LAYOUT))
+        save_prompt(store, prompt(2, 2, LAYOUT))   # prompt 1 goes down to the shared L2
+        assert store.index.match(store.hash(prompt(1, 2, LAYOUT))) == [Tier.L2] * 2
+        seen = run_worker("shm_store_lookup", name=shm_name, seeds=[1, 2], num_blocks=2)
+        assert seen["1"] == {"tiers": [Tier.L2] * 2, "num_ok": 2, "correct": True}
+        assert seen["2"]["tiers"] == []  # only in this process's L1
