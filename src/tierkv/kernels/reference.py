@@ -5,7 +5,8 @@ same name minus ``_ref``. The engine serves through these on CPU, so they are
 vectorised: one gather and one attention call per prefill sequence, and one
 gather and one attention call for all decode sequences of a step together.
 Inputs in fp16/bf16 are upcast so that scores, softmax and the weighted sum
-accumulate in fp32; the output comes back in ``q``'s dtype.
+accumulate in fp32 (except bf16 decode on CPU, handed to SDPA in bf16: its CPU
+kernel accumulates in fp32 itself); the output comes back in ``q``'s dtype.
 
 Arguments are validated by ``tierkv.kernels.checks`` (metadata only, no device
 sync). Values are trusted: block ids, slot ids and lengths must be in range.
