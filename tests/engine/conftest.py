@@ -1,31 +1,19 @@
-"""Engine fixtures: one tiny seeded checkpoint per session and an LLM factory that closes what it made."""
+"""Engine fixtures: one tiny seeded checkpoint per session and an LLM factory that closes what it made.
+
+Helpers (prompts, store configs) live in ``engine_helpers.py``: test files import
+that module by name, never ``conftest``, which another directory's conftest could shadow.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from engine_helpers import store_config
 
-from tierkv.config import L2Config, L3Config, StoreConfig
-from tierkv.engine import LLM, EngineConfig, SamplingParams
+from tierkv.config import StoreConfig
+from tierkv.engine import LLM, EngineConfig
 from tierkv.engine.checkpoint import write_checkpoint
-
-GREEDY = SamplingParams(max_tokens=12, ignore_eos=True)
-
-
-def prompts(n: int = 4, base: int = 40, seed: int = 0) -> list[list[int]]:
-    """Deterministic token-id prompts of mixed lengths sharing a 32-token prefix."""
-    import random
-
-    rng = random.Random(seed)
-    shared = [rng.randrange(3, 256) for _ in range(32)]
-    return [shared + [rng.randrange(3, 256) for _ in range(base + 13 * i)] for i in range(n)]
-
-
-def store_config(l3: Path | None, l2: str | int = "8MiB") -> StoreConfig:
-    if l3 is None:
-        return StoreConfig(l2=L2Config(capacity=l2), l3_enabled=False)
-    return StoreConfig(l2=L2Config(capacity=l2), l3=L3Config(path=str(l3), capacity="16MiB"))
 
 
 @pytest.fixture(scope="session")

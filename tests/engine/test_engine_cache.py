@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import GREEDY, prompts, store_config
+from engine_helpers import GREEDY, prompts, store_config
 
 
 def cached_tokens(prompt: list[int]) -> int:

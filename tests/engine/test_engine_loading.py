@@ -10,7 +10,7 @@ import pytest
 from tierkv.engine.checkpoint import main as checkpoint_main
 from tierkv.engine.loader import read_config, weight_files
 
-from conftest import GREEDY
+from engine_helpers import GREEDY
 
 
 def digest(path) -> str:

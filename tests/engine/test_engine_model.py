@@ -11,7 +11,7 @@ from tierkv.engine.loader import weight_files
 from tierkv.engine.scheduler import Scheduled
 from tierkv.engine.sequence import Sequence
 
-from conftest import GREEDY, prompts
+from engine_helpers import GREEDY, prompts
 
 transformers = pytest.importorskip("transformers")
 

@@ -6,7 +6,7 @@ import pytest
 
 from tierkv.engine import EngineConfig, SamplingParams
 
-from conftest import GREEDY, prompts, store_config
+from engine_helpers import GREEDY, prompts, store_config
 
 LONG = SamplingParams(max_tokens=40, ignore_eos=True)
 
