@@ -1,6 +1,7 @@
 """L4 bandwidth through tierkv's remote tier against each backend's own client, in the same run.
 
-redis_raw_put/get_gbps     redis-py pipelines SET/GET of values of the same size (no header, no checks; same read size, hiredis when installed)
+redis_raw_put/get_gbps     redis-py pipelines SET/GET of values of the same size (no header, no checks;
+                           zero-copy packer, the tier's read size, hiredis replies when installed)
 redis_put/get_gbps         RemoteTier over redis:// (header + xxh3 checksum, MAC off; get verifies and copies into a block)
 mooncake_raw_put/get_gbps  MooncakeDistributedStore.batch_put_from / batch_get_into from a registered buffer
 mooncake_put/get_gbps      RemoteTier over mooncake:// (same checks as Redis)
@@ -101,9 +102,16 @@ class RawRedis:
     def __init__(self, url: str, values: list[bytes]) -> None:
         import redis
 
+        from redis._parsers.encoders import Encoder
+        from redis.connection import PythonRespSerializer
+
         from tierkv.tiers.remote.redis import READ_SIZE
 
-        self.client = redis.Redis.from_url(url, socket_timeout=30, socket_read_size=READ_SIZE)  # as the tier's
+        # The strongest redis-py set-up: the tier's read size, and the pure-Python command packer,
+        # which sends large values as they are (hiredis' packer copies each value into one string).
+        packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+        self.client = redis.Redis.from_url(url, socket_timeout=30, socket_read_size=READ_SIZE,
+                                           command_packer=packer)
         self.values = values
         self.names = [f"bench-raw/{i}" for i in range(len(values))]
 
@@ -224,7 +232,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     n = 64 if args.quick else 256
-    reps = 9 if args.quick else 21
+    reps = 15 if args.quick else 31
     blocks = torch.empty((n, *LAYOUT.block_shape), dtype=LAYOUT.torch_dtype)
     blocks.view(torch.int16).random_(-30000, 30000)
     values = [bytes(os.urandom(VALUE)) for _ in range(n)]
