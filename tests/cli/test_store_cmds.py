@@ -20,37 +20,43 @@ from tierkv.catalog import open_l3
 
 COMMANDS = ["run", "info", "ls", "warm", "verify", "evict", "export", "import", "bench", "serve"]
 
-HELP_ALL = """
+RUN_MANY = """
 import contextlib, io, json, sys
 from tierkv.cli import main
-out = {}
-for name in sys.argv[1:]:
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        code = main([name, "--help"])
-    out[name] = [code, buf.getvalue()]
+out = []
+for argv in json.loads(sys.argv[1]):
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(argv)
+    out.append([code, stdout.getvalue(), stderr.getvalue()])
 print(json.dumps(out))
 """
 
 
-def test_every_command_has_help_with_an_example():
-    proc = subprocess.run([sys.executable, "-c", HELP_ALL, *COMMANDS], capture_output=True, text=True,
+def run_many(*argvs: list[str]) -> list[tuple[int, str, str]]:
+    """Several `tierkv` invocations through ``main`` in one real subprocess (one torch import, not one each)."""
+    proc = subprocess.run([sys.executable, "-c", RUN_MANY, json.dumps(argvs)], capture_output=True, text=True,
                           timeout=120, env={**os.environ, "COLUMNS": "200"})
     assert proc.returncode == 0, proc.stderr
-    for name, (code, text) in json.loads(proc.stdout).items():
+    return [tuple(x) for x in json.loads(proc.stdout)]
+
+
+def test_every_command_has_help_with_an_example():
+    for name, (code, text, _) in zip(COMMANDS, run_many(*[[name, "--help"] for name in COMMANDS])):
         assert code == 0, name
         assert "Example" in text and f"tierkv {name}" in text, name
 
 
-def test_bad_usage_exits_2_on_one_line(cache):
-    r = run_tierkv("evict", "--cache-dir", str(cache))
-    assert r.code == 2 and r.err.strip() == "error: evict: give exactly one of --namespace, --older-than, --all"
-    r = run_tierkv("evict", "--older-than", "soon", "--cache-dir", str(cache))
-    assert r.code == 2 and "--older-than" in r.err
-    assert run_tierkv("ls", "--no-such-flag").code == 2
-    r = run_tierkv("ls", "--cache-dir", str(cache))
-    assert r.code == 1
-    assert r.err.count("\n") == 1 and "no L3 cache at" in r.err and "Traceback" not in r.err
+def test_bad_usage_exits_2_failures_exit_1_on_one_line(cache):
+    (c1, _, e1), (c2, _, e2), (c3, _, e3), (c4, _, e4) = run_many(
+        ["evict", "--cache-dir", str(cache)], ["evict", "--older-than", "soon", "--cache-dir", str(cache)],
+        ["ls", "--no-such-flag"], ["ls", "--cache-dir", str(cache)])
+    assert c1 == 2 and e1.strip() == "error: evict: give exactly one of --namespace, --older-than, --all"
+    assert c2 == 2 and "--older-than" in e2
+    assert c3 == 2 and "No such option" in e3
+    assert c4 == 1 and e4.count("\n") == 1 and "no L3 cache at" in e4 and "Traceback" not in e4
+    r = run_tierkv("verify", "--cache-dir", str(cache))  # and as a process exit status
+    assert r.code == 1 and r.err.startswith("error: no L3 cache at")
 
 
 def test_ls_shows_the_tree_by_namespace(cache):
