@@ -136,7 +136,8 @@ def run_cmd(
             os.unlink(fh.name)
     result = {"model": str(model_dir), "model_id": passes[0]["model_id"], "cache_dir": str(s.cache_dir),
               "l3_path": str(s.l3_path), "workload": dataclasses.asdict(work), "passes": passes,
-              "wall_s": round(time.perf_counter() - started, 1)}
+              "wall_s": round(time.perf_counter() - started, 1),
+              "host": {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2), "torch_threads": 1}}
     for i, ps in enumerate(passes):
         console.print(_table(i, ps))
     for i, ps in enumerate(passes):
