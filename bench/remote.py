@@ -3,7 +3,7 @@
 redis_raw_put/get_gbps     redis-py pipelines SET/GET of values of the same size (no header, no checks;
                            zero-copy packer, the tier's read size, hiredis replies when installed)
 redis_put/get_gbps         RemoteTier over redis:// (header + xxh3 checksum, MAC off; get verifies and copies into a block)
-mooncake_raw_put/get_gbps  MooncakeDistributedStore.batch_put_from / batch_get_into from a registered buffer
+mooncake_raw_put/get_gbps  MooncakeDistributedStore.batch_put_from / batch_get_into, values in one registered region
 mooncake_put/get_gbps      RemoteTier over mooncake:// (same checks as Redis)
 *_mac_put/get_gbps         the same tiers with l4.auth_key set (keyed BLAKE2b over every value)
 Target: each tierkv figure >= 0.85 x its raw twin (MAC off). Starts its own redis-server and
@@ -147,21 +147,22 @@ class RawMooncake:
         rc = self.store.setup("127.0.0.1", metadata, 0, 16 << 20, "tcp", "", master)
         if rc != 0:
             raise RuntimeError(f"mooncake setup failed: {rc}")
-        self.buf = mmap.mmap(-1, BATCH * VALUE)
+        # One registered region holding every value (as the tier's blocks are distinct memory too).
+        self.buf = mmap.mmap(-1, n * VALUE)
         arr = np.frombuffer(self.buf, dtype=np.uint8)
         arr[:] = np.random.default_rng(0).integers(0, 255, arr.size, dtype=np.uint8)
         self.ptr = arr.ctypes.data
-        assert self.store.register_buffer(self.ptr, BATCH * VALUE) == 0
+        assert self.store.register_buffer(self.ptr, n * VALUE) == 0
         self.names = [f"bench-raw/{i}" for i in range(n)]
-        self.ptrs = [self.ptr + j * VALUE for j in range(BATCH)]
+        self.ptrs = [self.ptr + i * VALUE for i in range(n)]
 
     def put(self, b: int) -> None:
-        chunk = self.names[b * BATCH:(b + 1) * BATCH]
-        assert all(c == 0 for c in self.store.batch_put_from(chunk, self.ptrs[:len(chunk)], [VALUE] * len(chunk)))
+        chunk, ptrs = self.names[b * BATCH:(b + 1) * BATCH], self.ptrs[b * BATCH:(b + 1) * BATCH]
+        assert all(c == 0 for c in self.store.batch_put_from(chunk, ptrs, [VALUE] * len(chunk)))
 
     def get(self, b: int) -> None:
-        chunk = self.names[b * BATCH:(b + 1) * BATCH]
-        assert all(c == VALUE for c in self.store.batch_get_into(chunk, self.ptrs[:len(chunk)], [VALUE] * len(chunk)))
+        chunk, ptrs = self.names[b * BATCH:(b + 1) * BATCH], self.ptrs[b * BATCH:(b + 1) * BATCH]
+        assert all(c == VALUE for c in self.store.batch_get_into(chunk, ptrs, [VALUE] * len(chunk)))
 
     def delete(self) -> None:
         self.store.batch_remove(self.names, True)
