@@ -373,17 +373,25 @@ def test_threads_share_one_store(make_store, layout):
     assert store.stats()["hits"].get("l3", 0) > 0
 
 
-def test_a_shared_l2_slot_reused_by_another_process_during_a_load_is_a_miss(make_store, layout, shm_name):
-    """Pins are per process: another process may free and reuse a shared slot while our copy waits."""
+def shared_l2_store(layout, shm_name, l3_path=None, l3=0):
+    """A store whose L2 is the /dev/shm slab ``shm_name`` (4 blocks), L1 4 blocks."""
     import dataclasses
-    import threading
 
-    from _kv import key_of, store_config
+    from _kv import store_config
     from tierkv.store import TierKVStore
 
-    cfg = store_config(layout, 4, 0, "/nonexistent")
+    cfg = store_config(layout, 4, l3, l3_path or "/nonexistent")
     cfg = dataclasses.replace(cfg, l2=dataclasses.replace(cfg.l2, shared_name=shm_name))
-    store = TierKVStore(cfg, layout, l1_blocks=4)
+    return TierKVStore(cfg, layout, l1_blocks=4)
+
+
+def test_a_shared_l2_slot_reused_by_another_process_during_a_load_is_a_miss(layout, shm_name):
+    """Pins are per process: another process may free and reuse a shared slot while our copy waits."""
+    import threading
+
+    from _kv import key_of
+
+    store = shared_l2_store(layout, shm_name)
     try:
         tokens = prompt(40, 4, layout)
         save_prompt(store, tokens)
@@ -413,14 +421,7 @@ def test_a_shared_l2_slot_reused_by_another_process_during_a_load_is_a_miss(make
 
 
 def test_a_shared_l2_block_overwritten_by_another_process_is_not_demoted_to_l3(layout, l3_dir, shm_name):
-    import dataclasses
-
-    from _kv import store_config
-    from tierkv.store import TierKVStore
-
-    cfg = store_config(layout, 4, 16, l3_dir)
-    cfg = dataclasses.replace(cfg, l2=dataclasses.replace(cfg.l2, shared_name=shm_name))
-    with TierKVStore(cfg, layout, l1_blocks=4) as store:
+    with shared_l2_store(layout, shm_name, l3_dir, l3=16) as store:
         tokens = prompt(50, 4, layout)
         save_prompt(store, tokens)
         save_prompt(store, prompt(51, 4, layout))          # the first prompt is now in the shared L2
@@ -440,14 +441,7 @@ def test_a_shared_l2_block_overwritten_by_another_process_is_not_demoted_to_l3(l
 
 
 def test_persist_skips_a_shared_l2_block_that_fails_its_checksum(layout, l3_dir, shm_name):
-    import dataclasses
-
-    from _kv import store_config
-    from tierkv.store import TierKVStore
-
-    cfg = store_config(layout, 4, 16, l3_dir)
-    cfg = dataclasses.replace(cfg, l2=dataclasses.replace(cfg.l2, shared_name=shm_name))
-    with TierKVStore(cfg, layout, l1_blocks=4) as store:
+    with shared_l2_store(layout, shm_name, l3_dir, l3=16) as store:
         tokens = prompt(60, 4, layout)
         save_prompt(store, tokens)
         save_prompt(store, prompt(61, 4, layout))
