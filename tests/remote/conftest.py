@@ -108,19 +108,32 @@ class Server:
 
 
 class RedisServer(Server):
-    def __init__(self, workdir: Path, cluster: bool = False) -> None:
+    def __init__(self, workdir: Path, cluster: bool = False, tls: bool = False) -> None:
         port = free_port(below=55536) if cluster else free_port()  # the cluster bus listens on port + 10000
-        argv = [REDIS_BIN, "--port", str(port), "--bind", "127.0.0.1", "--dir", str(workdir),
+        argv = [REDIS_BIN, "--bind", "127.0.0.1", "--dir", str(workdir),
                 "--save", "", "--appendonly", "no", "--protected-mode", "yes"]
         if cluster:
             argv += ["--cluster-enabled", "yes", "--cluster-config-file", str(workdir / "nodes.conf")]
+        if tls:
+            self.cert = workdir / "cert.pem"
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                            "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+                            "-keyout", str(workdir / "key.pem"), "-out", str(self.cert)],
+                           check=True, capture_output=True, timeout=60)
+            argv += ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(self.cert),
+                     "--tls-key-file", str(workdir / "key.pem"), "--tls-ca-cert-file", str(self.cert),
+                     "--tls-auth-clients", "no"]
+        else:
+            argv += ["--port", str(port)]
         super().__init__(argv, port, workdir, "redis")
-        self.cluster = cluster
+        self.cluster, self.tls = cluster, tls
 
     @property
     def url(self) -> str:
         if self.cluster:
             return f"redis+cluster://127.0.0.1:{self.port}"
+        if self.tls:
+            return f"rediss://127.0.0.1:{self.port}/0?ssl_ca_certs={self.cert}"
         return f"redis://127.0.0.1:{self.port}/0"
 
     def plant(self, name: str, value: bytes) -> None:
@@ -131,6 +144,8 @@ class RedisServer(Server):
     def client(self):
         import redis
 
+        if self.tls:
+            return redis.Redis.from_url(self.url, socket_timeout=5)
         return redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=5)
 
     def start(self) -> None:
@@ -217,6 +232,19 @@ def redis_server(tmp_path: Path):
                     "(needs root and apt-get)")
     pytest.importorskip("redis", reason="redis-py missing: pip install 'tierkv[redis]'")
     server = RedisServer(tmp_path)
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def redis_tls(tmp_path: Path):
+    if REDIS_BIN is None or shutil.which("openssl") is None:
+        pytest.skip("redis-server or openssl is not installed and could not be installed here")
+    pytest.importorskip("redis", reason="redis-py missing: pip install 'tierkv[redis]'")
+    server = RedisServer(tmp_path, tls=True)
     try:
         server.start()
         yield server
