@@ -72,10 +72,15 @@ class DiskTier:
                                   max_dbs=4, max_readers=512, subdir=True, lock=True)
         except lmdb.Error as exc:  # e.g. a second store on this directory in one process (LMDB forbids it)
             raise ValueError(f"l3.path: cannot open the index under {self.path}: {exc}") from None
-        self._blocks = self._env.open_db(b"blocks")
-        self._free = self._env.open_db(b"free")
-        self._meta = self._env.open_db(b"meta")
-        self._capacity = self._init_meta(num_blocks, meta or {})
+        try:
+            self._blocks = self._env.open_db(b"blocks")
+            self._free = self._env.open_db(b"free")
+            self._meta = self._env.open_db(b"meta")
+            self._capacity = self._init_meta(num_blocks, meta or {})
+        except lmdb.Error as exc:  # a damaged index: say where, at start, instead of a raw LMDB error
+            self._env.close()
+            raise ValueError(f"l3.path: the index under {self.path} is unreadable ({exc}); "
+                             "move the directory away or use another l3.path") from None
         self.direct = self._open_file(direct_io)
         self._local = threading.local()  # per-thread page-aligned bounce buffer
 
