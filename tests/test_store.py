@@ -479,3 +479,33 @@ def test_a_victim_the_next_tier_cannot_take_goes_one_further_down(make_store, la
     assert mb.tiers == [L3] * 4
     check_loaded_into_l1(store, mb, load_into_l1(store, mb)[1])
     store.release(mb)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_a_damaged_l3_index_fails_at_start_naming_the_path_or_serves_only_correct_bytes(make_store, layout,
+                                                                                      l3_dir, seed):
+    import random
+
+    store = make_store(l1=4, l2=0, l3=64)
+    prompts = [prompt(80 + i, 4, layout) for i in range(6)]
+    for p in prompts:
+        save_prompt(store, p)
+    store.close()
+    index = l3_dir / "index" / "data.mdb"
+    rng = random.Random(seed)
+    size = os.path.getsize(index)
+    for off in rng.sample(range(size), 50):
+        flip(index, off)
+    try:
+        again = make_store(l1=4, l2=0, l3=64)
+    except ValueError as exc:
+        assert str(exc).startswith("l3.path: "), exc
+        return
+    for p in prompts:
+        m = again.lookup(p)
+        dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in m.to_load]
+        result = again.load(m, dst).wait(30)
+        for j, i in enumerate(m.to_load):
+            if result.ok[i]:
+                assert same_bytes(dst[j], block_for(m.keys[i], layout))
+        again.release(m)
