@@ -3,7 +3,8 @@
 Each Triton kernel in this package is tested against the function here with the
 same name minus ``_ref``. The engine serves through these on CPU, so they are
 vectorised: one gather and one attention call per prefill sequence, and one
-gather and one attention call for all decode sequences of a step together.
+gather and one attention call per group of DECODE_GROUP decode sequences of
+similar context length.
 Inputs in fp16/bf16 are upcast so that scores, softmax and the weighted sum
 accumulate in fp32 (except bf16 decode on CPU, handed to SDPA in bf16: its CPU
 kernel accumulates in fp32 itself); the output comes back in ``q``'s dtype.
@@ -23,9 +24,10 @@ import torch.nn.functional as F
 from tierkv.kernels.checks import check_paged_attention, check_write_kv
 
 
-# Decode sequences per attention call, sorted by context length. One padded call for
-# 32 sequences of 144-767 tokens took 4.9 ms of CPU time; groups of 4 took 2.6-2.8 ms
-# (padding is what a group wastes, a call costs ~0.1 ms of overhead).
+# Decode sequences per attention call, sorted by context length. For 32 sequences of
+# 144-767 tokens one padded call took 5.1 ms (fp32) / 6.2 ms (bf16) of CPU time per
+# layer, groups of 4 took 3.0 / 1.8 ms, groups of 2 3.2 / 2.4 ms: a group wastes its
+# padding, a call costs ~50 us of overhead.
 DECODE_GROUP = 4
 
 
