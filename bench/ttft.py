@@ -112,7 +112,7 @@ def main() -> None:
     p.add_argument("--lengths", default="1024,4096")
     args = p.parse_args()
     lengths = [int(x) for x in args.lengths.split(",")]
-    reps = 3 if args.quick else 7
+    reps = 2 if args.quick else 5
     model = checkpoint(args.model)
     work = Path(tempfile.mkdtemp(prefix="tierkv-ttft-", dir=Path(args.dir).mkdir(parents=True, exist_ok=True) or args.dir))
     blocks = max(lengths) // 16 * 2 + 64
