@@ -169,11 +169,19 @@ class TierKVStore:
             tiers = self.index.match(keys)
             if len(tiers) < len(keys) and (self.l3 is not None or (self.l2 is not None and self.l2.shared)):
                 self._probe_shared(keys, tiers)
-            if len(tiers) < len(keys) and self.l4 is not None:
+            ask_l4 = len(tiers) < len(keys) and self.l4 is not None
+            held = [self.index.get(k) for k in keys[:len(tiers)]] if ask_l4 else []
+            self.index.pin(held)  # the local prefix stays put while L4 is asked without the lock
+        try:
+            if ask_l4:  # a slow or dead pool delays this lookup only, never the store
                 for hit in self._probe_l4(keys[len(tiers):]):
                     if not hit:
                         break
                     tiers.append(Tier.L4)
+        finally:
+            with self._lock:
+                self.index.unpin(held)
+        with self._lock:
             tiers = tiers[: self.cost.cut(tiers, self.block_size)]
             entries = [self.index.get(k) if t != Tier.L4 else None for k, t in zip(keys, tiers)]
             local = [e for e in entries if e is not None]
