@@ -254,6 +254,16 @@ def test_launchers_reject_bad_arguments(launcher, bad):
         fn(*_bad(case, **change(case)))
 
 
+def test_triton_launcher_rejects_strided_index_tensors():
+    pytest.importorskip("triton")
+    from tierkv.kernels.triton_paged_attention import paged_attention
+
+    case = make_case(**CASES["mixed"])
+    strided = case.block_tables.t().contiguous().t()  # same values, column-major
+    with pytest.raises(ValueError, match=re.escape("block_tables: last dim must be contiguous")):
+        paged_attention(*_bad(case, block_tables=strided))
+
+
 def test_dispatch_rules(monkeypatch):
     monkeypatch.delenv(kernels.ENV_VAR, raising=False)
     assert kernels.backend_for(torch.device("cpu")) == "reference"
