@@ -249,3 +249,28 @@ def test_write_through_puts_to_l4_on_fill(redis_server, tmp_path, layout):
     finally:
         a.close()
         b.close()
+
+
+def test_a_hung_pool_never_blocks_other_store_calls(redis_server, tmp_path, layout):
+    import threading
+
+    node = make_node(tmp_path, "n", layout, redis_server.url, timeout_ms=3000)
+    try:
+        tokens = prompt(9, 2, layout)
+        keys = save_prompt(node, prompt(10, 2, layout))
+        redis_server.pause()
+        try:
+            waiting = threading.Thread(target=node.lookup, args=(tokens,), kwargs={"pin": False})
+            waiting.start()
+            time.sleep(0.3)  # the lookup now waits on the hung pool (for up to 3 s)
+            # The store lock is free meanwhile: other lookups, allocations and stats go on.
+            assert node.lookup_keys(keys, pin=False).tiers == [Tier.L1] * 2
+            node.free(node.allocate(1))
+            node.stats()
+            assert waiting.is_alive()
+        finally:
+            redis_server.resume()
+        waiting.join(30)
+        assert not waiting.is_alive()
+    finally:
+        node.close()
