@@ -274,3 +274,18 @@ def test_a_hung_pool_never_blocks_other_store_calls(redis_server, tmp_path, layo
         assert not waiting.is_alive()
     finally:
         node.close()
+
+
+def test_first_call_of_a_fresh_tier_may_be_a_read(pool, tmp_path, layout):
+    # Connecting is lazy: whichever call comes first (here a get) connects.
+    writer = make_node(tmp_path, "w", layout, pool.url)
+    reader = make_node(tmp_path, "r", layout, pool.url)
+    try:
+        keys = writer.hash(prompt(11, 2, layout))
+        assert writer.l4.put(keys, [block_for(k, layout) for k in keys]) == [True, True]
+        dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in keys]
+        assert reader.l4.get(keys, dst) == [True, True]
+        assert all(same_bytes(d, block_for(k, layout)) for d, k in zip(dst, keys))
+    finally:
+        writer.close()
+        reader.close()

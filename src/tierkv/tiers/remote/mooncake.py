@@ -139,7 +139,9 @@ class MooncakeBackend:
         except OSError as exc:
             raise RemoteUnavailable(f"master {self.opts.master} unreachable: {exc}") from None
 
-    def _setup(self):
+    def _setup(self) -> None:
+        """Worker thread: connect and register the staging buffer. A connect that finishes after
+        its caller gave up is still adopted, so no connected client is ever left behind."""
         store = self._cls()
         o = self.opts
         rc = store.setup(o.local, o.metadata, o.segment, o.buffer, self.protocol, self.devices, o.master)
@@ -149,7 +151,7 @@ class MooncakeBackend:
         if rc != 0:
             store.close()
             raise RemoteUnavailable(f"registering the staging buffer failed with code {rc}")
-        return store
+        self._store = store
 
     def _client(self):
         """The connected store, connecting first when needed (bounded by the connect deadline)."""
@@ -159,7 +161,7 @@ class MooncakeBackend:
         with self._connect_lock:
             if self._store is None:
                 self._master_reachable()
-                self._store = self._connect_deadline.run(self._setup)
+                self._connect_deadline.run(self._setup)
             return self._store
 
     def _run(self, fn: Callable, *args, after: Callable | None = None):
@@ -224,7 +226,8 @@ class MooncakeBackend:
                     elif n == _BUFFER_TOO_SMALL:
                         sink(start + j, None)
 
-            self._run(self._store.batch_get_into, chunk, ptrs, [size] * len(chunk), after=deliver)
+            sizes = [size] * len(chunk)
+            self._run(lambda: self._store.batch_get_into(chunk, ptrs, sizes), after=deliver)
 
     def delete(self, names: list[str]) -> None:
         self._run_meta(lambda: self._store.batch_remove(names, True))
