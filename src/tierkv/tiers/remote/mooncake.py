@@ -98,7 +98,11 @@ class MooncakeOptions:
 
 
 class MooncakeBackend:
-    """Batched exists/read/write/delete over a Mooncake Store pool. Thread-safe (calls are serialised)."""
+    """Batched exists/read/write/delete over a Mooncake Store pool.
+
+    Thread-safe: transfers run one at a time on their worker (they share the
+    staging buffer), membership and removal calls on another.
+    """
 
     def __init__(self, url: str, timeout_ms: int, value_bytes: int) -> None:
         self.opts = MooncakeOptions(url)
@@ -213,6 +217,8 @@ class MooncakeBackend:
         return [c == 0 or c == _OBJECT_ALREADY_EXISTS for c in codes]
 
     def read(self, names: list[str], size: int, sink: Callable[[int, memoryview | None], None]) -> None:
+        if size > self.value_bytes:
+            raise ValueError(f"l4 get: {size}-byte values do not fit {self.value_bytes}-byte staging slots")
         for start, end in self._chunks(len(names)):
             chunk = names[start:end]
             ptrs = [self._staging_ptr + j * size for j in range(len(chunk))]
@@ -239,8 +245,8 @@ class MooncakeBackend:
 
     def close(self) -> None:
         """Disconnect (the pool keeps what others contributed). Waits for a running call to end."""
-        store, self._store = self._store, None
         idle = all([self._deadline.close(), self._meta_deadline.close(), self._connect_deadline.close()])
+        store, self._store = self._store, None
         if store is not None and idle:
             try:
                 store.unregister_buffer(self._staging_ptr)
