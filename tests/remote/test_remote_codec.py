@@ -141,3 +141,20 @@ def test_rdma_detection_never_raises_and_says_why():
         assert backend.info()["rdma_reason"] == ("" if report.usable else report.reason)
     finally:
         backend.close()
+
+
+def test_a_cluster_that_is_down_at_start_is_misses_not_a_start_up_error():
+    failures = []
+    tier = open_remote(L4Config(url="redis+cluster://127.0.0.1:1", timeout_ms=100), LAYOUT,
+                       lambda *a: failures.append(a))
+    assert tier.contains([key_of("e")]) == [False]
+    assert [f[1] for f in failures] == ["unavailable"]
+    assert tier.stats()["url"] == "redis+cluster://127.0.0.1:1"
+    tier.close()
+
+
+def test_urls_in_stats_never_show_a_password():
+    from tierkv.tiers.remote.redis import display_url
+
+    assert display_url("redis://u:secret@h:1/0") == "redis://u:***@h:1/0"
+    assert display_url("rediss://h:1/0?password=secret&ssl_cert_reqs=none") == "rediss://h:1/0"

@@ -18,6 +18,7 @@ the ``redis`` extra) for replies: redis-py's pure-Python parser reads
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from urllib.parse import urlsplit, urlunsplit
 
@@ -36,13 +37,12 @@ def _import_redis():
 
 
 def display_url(url: str) -> str:
-    """``url`` without its password, for logs and metrics."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+    """``url`` without its password or query (which may carry one), for logs and metrics."""
+    parts = urlsplit(url)._replace(query="", fragment="")
+    if parts.password is not None:
+        netloc = parts.netloc.rsplit("@", 1)[1]
+        parts = parts._replace(netloc=f"{parts.username or ''}:***@{netloc}")
+    return urlunsplit(parts)
 
 
 class RedisBackend:
@@ -60,13 +60,27 @@ class RedisBackend:
         timeout = timeout_ms / 1000.0
         common = dict(socket_timeout=timeout, socket_connect_timeout=timeout, retry=Retry(NoBackoff(), 0),
                       socket_read_size=READ_SIZE)
+        self.errors = self._errors = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
+        self._client = None
+        self._client_lock = threading.Lock()
         if self.cluster:
             from redis.cluster import RedisCluster
 
-            self.client = RedisCluster.from_url(client_url, require_full_coverage=False, **common)
+            # RedisCluster reads the slot map when built: build it on first use, so a cluster
+            # that is down when the store starts is a miss, not a start-up error.
+            self._connect = lambda: RedisCluster.from_url(client_url, require_full_coverage=False, **common)
         else:
-            self.client = redis.Redis.from_url(client_url, **common)
-        self.errors = self._errors = (redis.RedisError, OSError)
+            self._client = redis.Redis.from_url(client_url, **common)  # connects on first command
+
+    @property
+    def client(self):
+        client = self._client
+        if client is None:
+            with self._client_lock:
+                if self._client is None:
+                    self._client = self._connect()
+                client = self._client
+        return client
 
     def _pipeline(self):
         return self.client.pipeline(transaction=False)
@@ -143,7 +157,9 @@ class RedisBackend:
         return {"backend": "redis-cluster" if self.cluster else "redis", "url": self.url}
 
     def close(self) -> None:
+        if self._client is None:
+            return
         try:
-            self.client.close()
+            self._client.close()
         except self._errors:
             pass
