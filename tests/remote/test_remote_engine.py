@@ -8,9 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import tierkv.engine as engine
 from tierkv.config import L2Config, L3Config, L4Config, StoreConfig
-
-engine = pytest.importorskip("tierkv.engine", reason="the bundled engine is not importable")
 
 pytestmark = pytest.mark.timeout(180)
 BLOCK = 16
