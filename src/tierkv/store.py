@@ -169,31 +169,40 @@ class TierKVStore:
             tiers = self.index.match(keys)
             if len(tiers) < len(keys) and (self.l3 is not None or (self.l2 is not None and self.l2.shared)):
                 self._probe_shared(keys, tiers)
-            ask_l4 = len(tiers) < len(keys) and self.l4 is not None
-            held = [self.index.get(k) for k in keys[:len(tiers)]] if ask_l4 else []
-            self.index.pin(held)  # the local prefix stays put while L4 is asked without the lock
-        try:
-            if ask_l4:  # a slow or dead pool delays this lookup only, never the store
-                for hit in self._probe_l4(keys[len(tiers):]):
-                    if not hit:
-                        break
-                    tiers.append(Tier.L4)
+            if len(tiers) == len(keys) or self.l4 is None:
+                return self._matched(keys, tiers, pin)  # one lock section: tiers cannot go stale
+            local = len(tiers)
+            held = [self.index.get(k) for k in keys[:local]]
+            self.index.pin(held)  # the local prefix stays cached while L4 is asked without the lock
+        try:  # a slow or dead pool delays this lookup only, never the store
+            for hit in self._probe_l4(keys[local:]):
+                if not hit:
+                    break
+                tiers.append(Tier.L4)
         finally:
             with self._lock:
                 self.index.unpin(held)
         with self._lock:
-            tiers = tiers[: self.cost.cut(tiers, self.block_size)]
-            entries = [self.index.get(k) if t != Tier.L4 else None for k, t in zip(keys, tiers)]
-            local = [e for e in entries if e is not None]
-            m = Match(keys, tiers, entries, self.block_size)
-            m.est_load_us, m.est_recompute_us = self.cost.estimate_us(tiers, len(keys), self.block_size)
-            if pin:
-                self.index.pin(local)
-                m.pinned = list(local)
-            self.index.touch(local)
-            if self.config.policy.write == "write_through_selective":
-                # freq > 1 only after a block's second hit (each hit adds 1, decay keeps the rest > 0).
-                self._persist_async([e for e in local if e.freq > 1.0])
+            # Pinned, the prefix stayed cached but may have changed tier meanwhile (a load by
+            # another request, or a failed one): match it again so every tier named is current.
+            now_local = self.index.match(keys[:local])
+            tiers = now_local if len(now_local) < local else now_local + tiers[local:]
+            return self._matched(keys, tiers, pin)
+
+    def _matched(self, keys: list[BlockHash], tiers: list[int], pin: bool) -> Match:
+        """Caller holds the lock: cut ``tiers`` by cost, pin and touch the local blocks, count."""
+        tiers = tiers[: self.cost.cut(tiers, self.block_size)]
+        entries = [self.index.get(k) if t != Tier.L4 else None for k, t in zip(keys, tiers)]
+        local = [e for e in entries if e is not None]
+        m = Match(keys, tiers, entries, self.block_size)
+        m.est_load_us, m.est_recompute_us = self.cost.estimate_us(tiers, len(keys), self.block_size)
+        if pin:
+            self.index.pin(local)
+            m.pinned = list(local)
+        self.index.touch(local)
+        if self.config.policy.write == "write_through_selective":
+            # freq > 1 only after a block's second hit (each hit adds 1, decay keeps the rest > 0).
+            self._persist_async([e for e in local if e.freq > 1.0])
         self.metrics.count_lookup(tiers, len(keys) - len(tiers))
         return m
 
