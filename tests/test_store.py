@@ -509,3 +509,51 @@ def test_a_damaged_l3_index_fails_at_start_naming_the_path_or_serves_only_correc
             if result.ok[i]:
                 assert same_bytes(dst[j], block_for(m.keys[i], layout))
         again.release(m)
+
+
+def test_a_lookup_racing_an_eviction_reports_only_tiers_its_blocks_are_in(make_store, layout):
+    """Whatever happens between the store's lock sections, a Match never names a tier its block left."""
+    store = make_store(l1=4, l2=4, l3=16)
+    tokens = prompt(90, 4, layout)
+    save_prompt(store, tokens)
+    real = store._lock
+    moves = []
+
+    class EvictOnFirstRelease:
+        """The store's lock; the first time it is released, another engine grabs all of L1."""
+
+        def __enter__(self):
+            real.acquire()
+
+        def __exit__(self, *exc):
+            real.release()
+            if not moves:
+                moves.append([])
+                try:
+                    moves[0] = store.allocate(4)  # evicts the prompt's blocks unless they are pinned
+                except OutOfBlocks:
+                    pass
+
+        def acquire(self, *a, **k):
+            return real.acquire(*a, **k)
+
+        def release(self):
+            real.release()
+
+    store._lock = EvictOnFirstRelease()
+    m = store.lookup(tokens)
+    store._lock = real
+    assert moves, "the lookup never released the lock"
+    assert len(m.entries) == m.num_blocks
+    for tier, entry in zip(m.tiers, m.entries):
+        assert entry is not None and entry.in_tier(tier), (tier, entry)
+    dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in m.to_load]
+    result = store.load(m, dst).wait(30)
+    for j, i in enumerate(m.to_load):
+        if result.ok[i]:
+            assert same_bytes(dst[j], block_for(m.keys[i], layout))
+    for i, slot in enumerate(m.l1_slots()):
+        if slot is not None:
+            assert same_bytes(store.l1.block(slot), block_for(m.keys[i], layout))
+    store.release(m)
+    store.free(moves[0])
