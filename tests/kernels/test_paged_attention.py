@@ -107,6 +107,15 @@ def test_reference_matches_dense_causal_attention(name):
     assert rel_err(paged_attention_ref(*case.args()), dense_attention(case)) <= 1e-6
 
 
+def test_reference_runs_outside_inference_mode_after_inside():
+    """The engine calls the reference under inference_mode; later plain calls must still work."""
+    case = make_case(**CASES["long_prefill"])
+    with torch.inference_mode():
+        inside = paged_attention_ref(*case.args())
+    outside = paged_attention_ref(*case.args())
+    assert torch.equal(inside, outside)
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float16, 2e-3), (torch.bfloat16, 1.6e-2)])
 def test_reference_half_precision_returns_q_dtype(dtype, tol):
     case = make_case(**CASES["mixed"], dtype=dtype)

@@ -50,7 +50,10 @@ class _Workspace(threading.local):
         numel = math.prod(shape)
         buf = self.buffers.get((slot, dtype))
         if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel + numel // 4, dtype=dtype)
+            # A normal tensor even when first asked for under inference_mode: an
+            # inference tensor could not be written later outside it.
+            with torch.inference_mode(False):
+                buf = torch.empty(numel + numel // 4, dtype=dtype)
             self.buffers[(slot, dtype)] = buf
         return buf[:numel].view(shape)
 
