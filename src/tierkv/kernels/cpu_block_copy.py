@@ -4,8 +4,8 @@ Why: moving blocks between vLLM's head-major pages and canonical token-major
 blocks is a transpose at the granularity of one head_dim row (128-256 bytes).
 torch's strided copy (and numpy's) spends ~20 ns per row in loop overhead and
 ran at 0.15-0.25x memcpy in bench/connector.py; a C loop with fixed-size row
-copies runs several times faster. The loop reads sequentially and writes with
-a stride, which measured faster than the reverse in both directions.
+copies runs several times faster. Both directions walk the canonical block in
+memory order (the vLLM page side is strided), which measured fastest for both.
 
 Built on first use with ``cc -O3`` into ``$TIERKV_CACHE_DIR/native`` (default
 ``~/.cache/tierkv/native``), keyed by a hash of the source; written to a temp
@@ -55,21 +55,20 @@ void tierkv_block_copy(char *kv, char *blocks, const int64_t *ids, int64_t n, in
   for (int64_t i = 0; i < n; i++) {
     char *canon = blocks + i * sn;
     char *page = kv + ids[i] * sb;
-    for (int64_t l = 0; l < L; l++) {
+    for (int64_t l = 0; l < L; l++)
       for (int64_t k = 0; k < 2; k++) {
         char *c = canon + (l * 2 + k) * B * H * row;
         char *p = page + l * sl + k * skv;
-        if (scatter) {
-          for (int64_t t = 0; t < B; t++)
-            for (int64_t h = 0; h < H; h++)
+        /* The canonical block is walked in memory order in both directions: gather
+           measured 0.61-0.64x memcpy this way against 0.48-0.56x walking the page in order. */
+        for (int64_t t = 0; t < B; t++)
+          for (int64_t h = 0; h < H; h++) {
+            if (scatter)
               copy_row(p + t * st + h * sh, c + (t * H + h) * row, row);
-        } else {
-          for (int64_t h = 0; h < H; h++)
-            for (int64_t t = 0; t < B; t++)
+            else
               copy_row(c + (t * H + h) * row, p + t * st + h * sh, row);
-        }
+          }
       }
-    }
   }
 }
 """
