@@ -279,3 +279,36 @@ def test_random_flips_anywhere_hit_exactly_the_blocks_they_land_in(tmp_path, see
     assert hook.count("corrupt") == len(hit)
     assert tier.contains(keys) == expected
     tier.close()
+
+
+_FSIZE_WORKER = r"""
+import resource, sys
+sys.path.insert(0, sys.argv[2])
+from _kv import LAYOUT, block_for, key_of, same_bytes
+from tierkv.tiers.disk import DiskTier
+limit = 16 * LAYOUT.block_bytes
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+reasons = []
+tier = DiskTier(sys.argv[1], LAYOUT, 64, on_failure=lambda t, r, n, d: reasons.append((r, n)))
+keys = [key_of("fsize", i) for i in range(32)]
+flags = []
+for k in keys:
+    flags += tier.put([k], [block_for(k, LAYOUT)])
+dst = [block_for(k, LAYOUT) * 0 for k in keys]
+got = tier.get(keys, dst)
+ok = all(g == f for g, f in zip(got, flags))
+same = all(same_bytes(d, block_for(k, LAYOUT)) for k, d, g in zip(keys, dst, got) if g)
+print(sum(flags), sum(n for r, n in reasons if r == "full"), ok, same)
+"""
+
+
+def test_file_size_limit_opens_and_fails_puts_past_it(tmp_path):
+    """Under RLIMIT_FSIZE the slot file cannot reach its size: the tier still opens, puts
+    past the limit are counted as full, and every block it did store reads back exactly."""
+    res = subprocess.run([os.sys.executable, "-c", _FSIZE_WORKER, str(tmp_path / "l3"), str(Path(__file__).parent)],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    stored, full, consistent, same = res.stdout.split()
+    assert 0 < int(stored) <= 16
+    assert int(full) == 32 - int(stored)
+    assert consistent == "True" and same == "True"

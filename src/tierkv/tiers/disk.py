@@ -118,11 +118,14 @@ class DiskTier:
             self._fd = os.open(path, flags, 0o644)
         size = self._capacity * self.stride
         if os.fstat(self._fd).st_size < size:
-            os.ftruncate(self._fd, size)
+            # A full disk or a file-size limit must not stop the store: puts past the
+            # end then fail (counted) and reads past it are short (misses).
             try:
+                os.ftruncate(self._fd, size)
                 os.posix_fallocate(self._fd, 0, size)
             except OSError as exc:
-                log.warning("tierkv l3: could not preallocate %d bytes (%s); the file stays sparse", size, exc)
+                log.warning("tierkv l3: could not size %s to %d bytes (%s); puts past its end will fail",
+                            self.path / "slots.bin", size, exc)
         return direct
 
     def meta(self) -> dict[str, str]:
