@@ -139,3 +139,31 @@ def test_token_ids_outside_int32_are_refused():
     h = BlockHasher()
     with pytest.raises(ValueError, match=r"^token_ids: "):
         h.hash_blocks([0, 1, 2, 2**31], 4, h.seed("m", "r", "f"))
+
+
+def test_native_sha256_chain_equals_the_python_chain():
+    """The C loop (OpenSSL's low-level SHA-256) must give the Python path's keys exactly."""
+    import random
+
+    from tierkv import sha256_chain
+
+    assert sha256_chain.available(), "the native sha256 chain did not build (needs cc and libcrypto)"
+    native = BlockHasher("sha256")
+    python = BlockHasher("sha256")
+    python._native_chain = None
+    seed = native.seed("m", "r", "fp", "ns")
+    rng = random.Random(7)
+    for block_size in (1, 16, 64, 1000, 20000):
+        tokens = [rng.randrange(-2**31, 2**31) for _ in range(block_size * 5 + 3)]
+        want = python.hash_blocks(tokens, block_size, seed)
+        assert native.hash_blocks(tokens, block_size, seed) == want
+        assert native.hash_blocks(tokens, block_size, seed, start=2, parent=want[1]) == want[2:]
+    assert native.hash_blocks([1, 2, 3], 16, seed) == []
+
+
+def test_native_code_can_be_turned_off(monkeypatch):
+    """TIERKV_NATIVE=0 keeps every path in Python (same keys)."""
+    from tierkv import native
+
+    monkeypatch.setenv("TIERKV_NATIVE", "0")
+    assert native.load("never_built", "int f(void) { return 0; }") is None

@@ -49,8 +49,13 @@ class BlockHasher:
         self.algorithm = algorithm
         self._key = key or b""
         self._digest = self._make_digest()
+        self._native_chain = None
         if algorithm == "sha256":
             self._base = hashlib.sha256()
+            from tierkv import sha256_chain
+
+            if sha256_chain.available():
+                self._native_chain = sha256_chain.chain
         elif algorithm == "blake2b":
             self._base = hashlib.blake2b(digest_size=HASH_BYTES, key=self._key)
 
@@ -99,6 +104,10 @@ class BlockHasher:
                 prev = digest(prev + data[off : off + step])
                 append(prev)
             return out
+        if self._native_chain is not None and end > start * step:
+            found = self._native_chain(prev, data, end // step - start, step, start)
+            if found is not None:
+                return found
         # Copying a primed hash object skips OpenSSL's per-object setup (~15% of a small hash).
         fresh = self._base.copy
         for off in range(start * step, end, step):

@@ -7,29 +7,19 @@ ran at 0.15-0.25x memcpy in bench/connector.py; a C loop with fixed-size row
 copies runs several times faster. Both directions walk the canonical block in
 memory order (the vLLM page side is strided), which measured fastest for both.
 
-Built on first use with ``cc -O3`` into ``$TIERKV_CACHE_DIR/native`` (default
-``~/.cache/tierkv/native``), keyed by a hash of the source; written to a temp
-file and renamed, so concurrent processes are safe. Without a compiler, or
-with ``TIERKV_NATIVE=0``, callers get None from ``library()`` and use the torch
+Built on first use by ``tierkv.native``. Without a compiler, or with
+``TIERKV_NATIVE=0``, callers get None from ``library()`` and use the torch
 reference, which computes the same bytes (the tests compare them).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 
 import torch
 
+from tierkv import native
 from tierkv.kernels.reference import check_block_copy
-
-log = logging.getLogger("tierkv.kernels")
 
 SOURCE = r"""
 #include <stdint.h>
@@ -73,41 +63,13 @@ void tierkv_block_copy(char *kv, char *blocks, const int64_t *ids, int64_t n, in
 }
 """
 
-_lock = threading.Lock()
-_state: dict[str, object] = {}
-
-
 def library() -> ctypes.CDLL | None:
     """The compiled loop, built once per process; None when it cannot be built or is disabled."""
-    if os.environ.get("TIERKV_NATIVE", "1") == "0":
-        return None
-    with _lock:
-        if "lib" not in _state:
-            _state["lib"] = _build()
-        return _state["lib"]
-
-
-def _build() -> ctypes.CDLL | None:
-    digest = hashlib.sha256(SOURCE.encode()).hexdigest()[:16]
-    root = Path(os.environ.get("TIERKV_CACHE_DIR", "~/.cache/tierkv")).expanduser() / "native"
-    target = root / f"block_copy-{digest}.so"
-    try:
-        if not target.exists():
-            root.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=root) as tmp:
-                src, out = Path(tmp) / "block_copy.c", Path(tmp) / "block_copy.so"
-                src.write_text(SOURCE)
-                cc = os.environ.get("CC", "cc")
-                subprocess.run([cc, "-O3", "-shared", "-fPIC", "-o", str(out), str(src)],
-                               check=True, capture_output=True, timeout=120)
-                os.replace(out, target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, subprocess.SubprocessError) as exc:
-        log.warning("tierkv: no native block copy (%s); using the torch reference", exc)
-        return None
-    fn = lib.tierkv_block_copy
-    fn.restype = None
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 11 + [ctypes.c_int]
+    lib = native.load("block_copy", SOURCE)
+    if lib is not None and lib.tierkv_block_copy.argtypes is None:
+        fn = lib.tierkv_block_copy
+        fn.restype = None
+        fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 11 + [ctypes.c_int]
     return lib
 
 
