@@ -10,6 +10,7 @@ subprocess workers can use them too.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import uuid
 from pathlib import Path
@@ -63,3 +64,17 @@ def shm_name():
         elif path.exists():
             path.unlink()
     assert not list(Path("/dev/shm").glob(f"tierkv-{name}*"))
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):
+    """A 1 MiB tmpfs (root only), unmounted afterwards: a disk that fills up."""
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)

@@ -199,20 +199,6 @@ def test_strided_destination_reads_right_values(tmp_path):
     tier.close()
 
 
-@pytest.fixture
-def small_tmpfs(tmp_path):
-    """A 1 MiB tmpfs (root only); unmounted afterwards."""
-    mnt = tmp_path / "tmpfs"
-    mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)], capture_output=True, text=True)
-    if res.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=True)
-
-
 def test_disk_full_fails_puts_gracefully(small_tmpfs):
     hook = Hook()
     tier = DiskTier(small_tmpfs / "l3", LAYOUT, 1024, on_failure=hook)  # 4 MiB of slots on 1 MiB

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from tierkv.config import L1Config, StoreConfig, env_overrides
+from tierkv.config import L1Config, StoreConfig, env_overrides, merge_settings
 
 LOAD_ASYNC = ("auto", "always", "never")
 KV_SPLITS = ("auto", "planes", "tokens")
@@ -69,9 +69,9 @@ def load_config(extra: Mapping[str, Any] | None, model_id: str, model_revision: 
     extra = dict(extra or {})
     path = extra.pop("config_file", None)
     if path is not None:
-        _merge(data, _read_toml(path))
-    _merge(data, extra)
-    _merge(data, env_overrides({k: v for k, v in env.items() if not k.startswith(_ENV_PREFIX)}))
+        merge_settings(data, _read_toml(path))
+    merge_settings(data, extra)
+    merge_settings(data, env_overrides({k: v for k, v in env.items() if not k.startswith(_ENV_PREFIX)}))
     vllm = data.pop("vllm", {})
     if not isinstance(vllm, Mapping):
         raise ValueError(f"vllm: expected a table of settings, got {vllm!r}")
@@ -99,14 +99,6 @@ def _read_toml(path: Any) -> dict[str, Any]:
             return tomllib.load(fh)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ValueError(f"config_file: cannot read {path}: {exc}") from None
-
-
-def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> None:
-    for key, value in extra.items():
-        if isinstance(value, Mapping) and isinstance(base.get(key), dict):
-            _merge(base[key], value)
-        else:
-            base[key] = dict(value) if isinstance(value, Mapping) else value
 
 
 def _coerce_bool(raw: str) -> bool | str:

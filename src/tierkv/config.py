@@ -275,9 +275,9 @@ class StoreConfig:
                     data = tomllib.load(fh)
                 except tomllib.TOMLDecodeError as exc:
                     raise ValueError(f"{path}: not valid TOML: {exc}") from None
-        _merge(data, env_overrides(os.environ if env is None else env))
+        merge_settings(data, env_overrides(os.environ if env is None else env))
         if overrides:
-            _merge(data, dict(overrides))
+            merge_settings(data, dict(overrides))
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
@@ -290,10 +290,11 @@ _SECTIONS: dict[str, type] = {
 }
 
 
-def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> None:
+def merge_settings(base: dict[str, Any], extra: Mapping[str, Any]) -> None:
+    """Merge nested settings ``extra`` into ``base`` in place (later sources win)."""
     for key, value in extra.items():
         if isinstance(value, Mapping) and isinstance(base.get(key), dict):
-            _merge(base[key], value)
+            merge_settings(base[key], value)
         else:
             base[key] = dict(value) if isinstance(value, Mapping) else value
 
