@@ -37,7 +37,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from tierkv.cost import CostModel  # noqa: E402
-from tierkv.index import LOCAL_TIERS, PrefixIndex, Tier  # noqa: E402
+from tierkv.index import LOCAL_TIERS, PrefixIndex  # noqa: E402
 from tierkv.policy import POLICIES, make_policy  # noqa: E402
 
 BLOCK_TOKENS = 512

@@ -32,7 +32,7 @@ import torch
 
 from tierkv.connectors.vllm.config import VllmSettings
 from tierkv.connectors.vllm.layout import cache_view, resolve_split
-from tierkv.connectors.vllm.metadata import LoadSpec, SaveSpec, TierKVMetadata, TierKVWorkerMetadata
+from tierkv.connectors.vllm.metadata import LoadSpec, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.kernels import gather_blocks, scatter_blocks
 from tierkv.store import Match, TierKVStore
 from tierkv.transfer import LoadHandle, LoadResult

@@ -27,14 +27,14 @@ from tierkv.index import LOCAL_TIERS, Entry, PrefixIndex, Tier
 from tierkv.layout import KVLayout
 from tierkv.metrics import TIER_NAMES, Metrics
 from tierkv.policy import make_policy
-from tierkv.tiers.base import Lineage, copy_block
+from tierkv.tiers.base import Lineage
 from tierkv.tiers.device import DeviceTier, OutOfBlocks
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.host import HostTier
+from tierkv.store_writes import StoreWrites
 from tierkv.transfer import LoadHandle, LoadResult, TransferEngine, gather_futures, now
 
 __all__ = ["Match", "OutOfBlocks", "TierKVStore"]
-L4_MAX_QUEUED = 256  # blocks copied and waiting for the IO thread to send them to L4
 
 
 @dataclass
@@ -78,7 +78,7 @@ class Match:
         return [e.l1_slot if t == Tier.L1 else None for t, e in zip(self.tiers, self.entries)]
 
 
-class TierKVStore:
+class TierKVStore(StoreWrites):
     def __init__(self, config: StoreConfig | None = None, layout: KVLayout | None = None, *,
                  l1_blocks: int | None = None) -> None:
         if layout is None:
@@ -311,60 +311,6 @@ class TierKVStore:
             self.metrics.add("bytes", (TIER_NAMES[tier], "write"), self.layout.block_bytes)
         return ok
 
-    def _put_l4_async(self, key: BlockHash, src: torch.Tensor, lineage: list[Lineage]) -> bool:
-        """Queue a copy of ``src`` for L4 on the IO thread; False (counted) when too many are queued.
-
-        The bytes are copied first, so the source slot may be reused at once.
-        L4 failures are counted by the tier and never raise into the caller.
-        """
-        with self._l4_lock:
-            if self._l4_queued >= L4_MAX_QUEUED:
-                self._on_failure("l4", "put_dropped", 1, f"{L4_MAX_QUEUED} L4 puts already queued")
-                return False
-            self._l4_queued += 1
-        if src.device.type == "cpu":
-            copy = torch.empty(src.shape, dtype=src.dtype)
-            copy_block(copy, src)
-        else:
-            copy = src.to("cpu")
-
-        def put() -> None:
-            try:
-                ok = self.l4.put([key], [copy], lineage)[0]
-            except Exception as exc:  # a tier bug must not kill the IO thread: count it as a miss
-                self._on_failure("l4", "error", 1, repr(exc))
-                ok = False
-            finally:
-                with self._l4_lock:
-                    self._l4_queued -= 1
-            self.metrics.add("bytes", ("l4", "write"), self.layout.block_bytes if ok else 0)
-
-        self.transfer.io(put)
-        return True
-
-    def _copies_for_l4(self, entries: Sequence[Entry]) -> list[tuple[BlockHash, torch.Tensor, Lineage]]:
-        """Caller holds the lock: CPU copies of ``entries`` for a write-through L4 put (none without L4)."""
-        if self.l4 is None:
-            return []
-        out = []
-        for entry in entries:
-            src = self._block_view(entry, entry.best)
-            if src is None:
-                continue
-            self.transfer.d2h_sync()
-            copy = torch.empty(src.shape, dtype=src.dtype)
-            if src.device.type == "cpu":
-                copy_block(copy, src)
-            else:
-                copy.copy_(src)
-            out.append((entry.key, copy, Lineage(entry.parent, entry.depth)))
-        return out
-
-    def _send_l4(self, keys, blocks, lineage) -> None:
-        """IO thread, outside the lock: one batched L4 put; failures are counted by the tier."""
-        ok = self.l4.put(list(keys), list(blocks), list(lineage))
-        self.metrics.add("bytes", ("l4", "write"), sum(ok) * self.layout.block_bytes)
-
     def _make_room(self, tier: int, n: int) -> None:
         t = self._tiers[tier]
         while t.capacity - (self.index.counts[tier] if tier != Tier.L3 else t.used) < n:
@@ -497,97 +443,6 @@ class TierKVStore:
             if self.config.policy.write == "write_through":
                 self._persist_async(adopted)
         return out
-
-    # -- write policies -------------------------------------------------------
-
-    def _persist_targets(self, entry: Entry) -> list[int]:
-        """Local tiers below the fastest one holding ``entry`` that lack it (L2, L3)."""
-        return [t for t in LOCAL_TIERS if t > entry.best and self._tiers[t] is not None and not entry.in_tier(t)]
-
-    def _persist_async(self, entries: Sequence[Entry]) -> None:
-        """Copy ``entries`` down to L2/L3 (and L4 under write_through) on the IO thread.
-
-        Caller holds the lock. Each entry is pinned until its copy has landed,
-        so its source slot cannot be evicted or reused meanwhile.
-        """
-        to_l4 = self.l4 is not None and self.config.policy.write == "write_through"
-        todo = [e for e in entries if e.key not in self._persisting and (to_l4 or self._persist_targets(e))]
-        if not todo:
-            return
-        self.index.pin(todo)
-        self._persisting.update(e.key for e in todo)
-        self.transfer.io(self._persist, todo)
-
-    def _persist(self, entries: list[Entry]) -> None:
-        """IO thread: L2 copies (memmoves) under the lock; L3 as one batch (one fdatasync) outside it."""
-        try:
-            with self._lock:
-                for entry in entries:
-                    if Tier.L2 in self._persist_targets(entry):
-                        src = self._block_view(entry, entry.best)
-                        self.transfer.d2h_sync()
-                        self._put_lower(entry, Tier.L2, src)
-                to_l4 = self._copies_for_l4(entries) if self.config.policy.write == "write_through" else []
-                to_l3 = [e for e in entries if Tier.L3 in self._persist_targets(e)]
-                srcs = [self._block_view(e, e.best) for e in to_l3]  # L1/L2 slots, stable while pinned
-                if to_l3:
-                    self.transfer.d2h_sync()
-                    self._make_room(Tier.L3, len(to_l3))
-            if to_l4:
-                self._send_l4(*zip(*to_l4))
-            if not to_l3:
-                return
-            ok = self.l3.put([e.key for e in to_l3], srcs, [Lineage(e.parent, e.depth) for e in to_l3])
-            with self._lock:
-                for entry, flag in zip(to_l3, ok):
-                    if flag:
-                        self.index.add(entry.key, entry.parent, entry.depth, Tier.L3)
-            self.metrics.add("bytes", ("l3", "write"), sum(ok) * self.layout.block_bytes)
-        except Exception as exc:  # nobody waits on this thread: count and log it, as a lost write
-            self._on_failure("l3", "write_through", len(entries), repr(exc))
-        finally:
-            with self._lock:
-                self.index.unpin(entries)
-                self._persisting.difference_update(e.key for e in entries)
-
-    def flush(self) -> None:
-        """Block until every write-through copy queued so far has landed. Thread-safe."""
-        self.transfer.io(lambda: None).result()
-
-    def persist(self, keys: Sequence[BlockHash], tier: int = Tier.L3) -> int:
-        """Copy the cached blocks of the chain ``keys`` into ``tier`` (L2, L3 or L4) where it lacks them.
-
-        For tools that must leave a prefix behind them (``tierkv warm``, the
-        demo's restart). Walks the chain from its root and stops at the first
-        block no local tier holds. Blocks stay where they are: a copy, not a
-        move. Returns the blocks written. Thread-safe; synchronous for L2/L3
-        (written, and for L3 durable, on return); L4 copies are queued on the
-        IO thread like every L4 put (``close`` waits until they are sent).
-        """
-        target = self.l4 if tier == Tier.L4 else self._tiers[tier] if tier != Tier.L1 else None
-        if target is None:
-            return 0
-        with self._lock:
-            todo: list[Entry] = []
-            for key in keys:
-                entry = self.index.get(key)
-                if entry is None:
-                    break
-                if tier == Tier.L4 or not entry.in_tier(tier):
-                    todo.append(entry)
-            if tier != Tier.L3:
-                return sum(self._put_lower(e, tier, src) for e in todo
-                           if (src := self._block_view(e, e.best)) is not None)
-            pairs = [(e, src) for e in todo if (src := self._block_view(e, e.best)) is not None]
-            todo, srcs = [e for e, _ in pairs], [src for _, src in pairs]  # unreadable sources are skipped
-            self.transfer.d2h_sync()
-            self._make_room(tier, len(todo))
-            ok = self.l3.put([e.key for e in todo], srcs, [Lineage(e.parent, e.depth) for e in todo])
-            for e, flag in zip(todo, ok):
-                if flag:
-                    self.index.add(e.key, e.parent, e.depth, tier)
-        self.metrics.add("bytes", ("l3", "write"), sum(ok) * self.layout.block_bytes)
-        return sum(ok)
 
     def put_blocks(self, keys: Sequence[BlockHash], blocks: Sequence[torch.Tensor], start: int = 0) -> list[bool]:
         """Store blocks that live outside L1 (e.g. gathered from vLLM's cache) in the highest host tier."""
