@@ -7,12 +7,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 
+from _interpret import interpreted
 import tierkv.kernels as kernels
 from tierkv.kernels.reference import write_kv_ref
 
@@ -84,11 +83,7 @@ def interpreted_results() -> dict:
 
 @pytest.fixture(scope="module")
 def triton_results() -> dict:
-    pytest.importorskip("triton")
-    env = {k: v for k, v in os.environ.items() if k != kernels.ENV_VAR} | {"TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return interpreted(__file__)
 
 
 @pytest.mark.parametrize("dtype", ["torch.float32", "torch.float16"])
