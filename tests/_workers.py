@@ -44,17 +44,8 @@ def shm_store_lookup(name: str, seeds: list[int], num_blocks: int) -> dict:
 
     cfg = store_config(LAYOUT, 4, 0, "/nonexistent")
     cfg = dataclasses.replace(cfg, l2=dataclasses.replace(cfg.l2, shared_name=name))
-    out = {}
     with TierKVStore(cfg, LAYOUT, l1_blocks=8) as store:
-        for seed in seeds:
-            m = store.lookup(prompt(seed, num_blocks, LAYOUT))
-            slots = store.allocate(len(m.to_load))
-            result = store.load(m, slots).wait(30)
-            correct = [same_bytes(store.l1.block(m.entries[i].l1_slot), block_for(m.keys[i], LAYOUT))
-                       for i in range(result.num_ok)]
-            out[seed] = {"tiers": m.tiers, "num_ok": result.num_ok, "correct": all(correct)}
-            store.release(m)
-    return out
+        return _lookup_and_load(store, seeds, num_blocks)
 
 
 # -- L3 persistence -------------------------------------------------------------
@@ -64,17 +55,23 @@ def l3_lookup(path: str, seeds: list[int], num_blocks: int, model_id: str = "unk
     from tierkv.store import TierKVStore
 
     cfg = store_config(LAYOUT, 0, 64, path, model_id=model_id)
-    out = {}
     with TierKVStore(cfg, LAYOUT, l1_blocks=16) as store:
-        for seed in seeds:
-            m = store.lookup(prompt(seed, num_blocks, LAYOUT))
-            slots = store.allocate(len(m.to_load))
-            result = store.load(m, slots).wait(30)
-            correct = [same_bytes(store.l1.block(m.entries[i].l1_slot), block_for(m.keys[i], LAYOUT))
-                       for i in range(result.num_ok)]
-            out[seed] = {"tiers": m.tiers, "num_ok": result.num_ok, "correct": all(correct)}
-            store.release(m)
+        out = _lookup_and_load(store, seeds, num_blocks)
         out["stats"] = store.stats()
+    return out
+
+
+def _lookup_and_load(store, seeds: list[int], num_blocks: int) -> dict:
+    """Per prompt seed: the tiers matched, the blocks loaded, and whether every loaded byte is right."""
+    out = {}
+    for seed in seeds:
+        m = store.lookup(prompt(seed, num_blocks, LAYOUT))
+        slots = store.allocate(len(m.to_load))
+        result = store.load(m, slots).wait(30)
+        correct = [same_bytes(store.l1.block(m.entries[i].l1_slot), block_for(m.keys[i], LAYOUT))
+                   for i in range(result.num_ok)]
+        out[seed] = {"tiers": m.tiers, "num_ok": result.num_ok, "correct": all(correct)}
+        store.release(m)
     return out
 
 

@@ -225,18 +225,22 @@ class MooncakePool:
         self.master.stop()
 
 
+def _running(server):
+    """Start ``server`` for one test and stop it (by pid) afterwards, whatever happened."""
+    try:
+        server.start()
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def redis_server(tmp_path: Path):
     if REDIS_BIN is None:
         pytest.skip("redis-server is not installed and scripts/install-system-deps.sh could not install it "
                     "(needs root and apt-get)")
     pytest.importorskip("redis", reason="redis-py missing: pip install 'tierkv[redis]'")
-    server = RedisServer(tmp_path)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
+    yield from _running(RedisServer(tmp_path))
 
 
 @pytest.fixture
@@ -244,12 +248,7 @@ def redis_tls(tmp_path: Path):
     if REDIS_BIN is None or shutil.which("openssl") is None:
         pytest.skip("redis-server or openssl is not installed and could not be installed here")
     pytest.importorskip("redis", reason="redis-py missing: pip install 'tierkv[redis]'")
-    server = RedisServer(tmp_path, tls=True)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
+    yield from _running(RedisServer(tmp_path, tls=True))
 
 
 @pytest.fixture
@@ -257,12 +256,7 @@ def redis_cluster(tmp_path: Path):
     if REDIS_BIN is None:
         pytest.skip("redis-server is not installed and scripts/install-system-deps.sh could not install it")
     pytest.importorskip("redis", reason="redis-py missing: pip install 'tierkv[redis]'")
-    server = RedisServer(tmp_path, cluster=True)
-    try:
-        server.start()
-        yield server
-    finally:
-        server.stop()
+    yield from _running(RedisServer(tmp_path, cluster=True))
 
 
 def _mooncake_or_skip() -> None:
