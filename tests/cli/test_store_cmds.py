@@ -188,3 +188,29 @@ def test_info_probes_a_real_l4_pool(cache, tmp_path):
         proc.wait(timeout=10)
     r = run_tierkv("info", "--json", "--cache-dir", str(cache), env={"TIERKV_L4_URL": f"redis://127.0.0.1:{port}"})
     assert r.code == 0 and r.json()["tiers"]["l4"]["reachable"] is False
+
+
+def test_info_reports_rdma_devices_or_why_none(cache, tmp_path):
+    from tierkv.tiers.remote import rdma
+
+    report = rdma.detect()  # same interpreter and environment as the command below
+    r = run_tierkv("info", "--cache-dir", str(cache))
+    assert r.code == 0, r.err
+    if report.usable:
+        assert f"rdma: {', '.join(report.usable)} usable (via {report.source})" in r.out
+        for dev in report.devices:
+            assert f"rdma device {dev.name} port 1:" in r.out
+    else:
+        assert f"rdma: none usable, {report.reason}; Mooncake L4 falls back to TCP" in r.out, r.out
+    info = run_tierkv("info", "--json", "--cache-dir", str(cache)).json()["rdma"]
+    assert info["usable"] == report.usable and info["reason"] == report.reason
+    assert [d["name"] for d in info["devices"]] == [d.name for d in report.devices]
+    # pyverbs that cannot be imported (a shadow package that raises): still exit 0, the reason says so.
+    shadow = tmp_path / "shadow" / "pyverbs"
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text("raise ImportError('no verbs here')\n")
+    r = run_tierkv("info", "--cache-dir", str(cache),
+                   env={"PYTHONPATH": os.pathsep.join(filter(None, [str(shadow.parent), os.environ.get("PYTHONPATH")]))})
+    assert r.code == 0, r.err
+    assert re.search(r"rdma: none usable, pyverbs not importable \(no verbs here\).*; Mooncake L4 falls back to TCP",
+                     r.out), r.out

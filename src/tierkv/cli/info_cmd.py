@@ -1,4 +1,4 @@
-"""`tierkv info`: config, layout and every tier's capacity, usage and counters."""
+"""`tierkv info`: config, layout, every tier's capacity, usage and counters, and RDMA devices."""
 
 from __future__ import annotations
 
@@ -58,6 +58,7 @@ def local_info(s) -> dict:
             "l3": {"where": str(s.l3_path), "capacity_bytes": cfg.l3.capacity, "present": False},
             "l4": {"where": cfg.l4.url or "(none)"},
         },
+        "rdma": rdma_info(),
     }
     l3 = out["tiers"]["l3"]
     try:
@@ -83,6 +84,33 @@ def local_info(s) -> dict:
     finally:
         disk.close()
     return out
+
+
+def rdma_info() -> dict:
+    """What ``rdma.detect()`` found: devices with their ports, or why none is usable. Never raises."""
+    from tierkv.tiers.remote import rdma
+
+    report = rdma.detect()
+    devices = [{"name": d.name, "ports": [{"number": p.number, "state": p.state, "link_layer": p.link_layer,
+                                           "gids": list(p.gids)} for p in d.ports]} for d in report.devices]
+    return {"usable": report.usable, "source": report.source, "reason": report.reason, "devices": devices,
+            "errors": dict(report.details)}
+
+
+def rdma_lines(info: dict) -> list[str]:
+    """``tierkv info``'s RDMA lines: one per device port, then what Mooncake will use and why."""
+    lines = []
+    for dev in info["devices"]:
+        for port in dev["ports"]:
+            gids = f", GIDs {', '.join(port['gids'])}" if port["gids"] else ", no GID"
+            lines.append(f"rdma device {dev['name']} port {port['number']}: {port['state']} ({port['link_layer']}){gids}")
+    lines += [f"rdma device {name}: cannot be opened ({err})" for name, err in info["errors"].items()]
+    if info["usable"]:
+        lines.append(f"rdma: {', '.join(info['usable'])} usable (via {info['source']}); "
+                     "Mooncake L4 uses RDMA on them (protocol=auto)")
+    else:
+        lines.append(f"rdma: none usable, {info['reason']}; Mooncake L4 falls back to TCP")
+    return lines
 
 
 def _probe_l4(cfg, layout) -> dict:
@@ -111,7 +139,7 @@ def info_cmd(
     url: Annotated[str | None, typer.Option("--url", help="Read a running `tierkv serve` at this URL (its /metrics).")] = None,
     json_out: Json = False, cache_dir: CacheDir = None, config: ConfigFile = None, debug: Debug = False,
 ) -> None:
-    """Show the config, the block layout and each tier's capacity, usage and counters."""
+    """Show the config, the block layout, each tier's capacity, usage and counters, and RDMA devices."""
     if url is not None:
         data = read_metrics(url)
         if json_out:
@@ -160,6 +188,8 @@ def info_cmd(
     if l3["present"]:
         console.print(f"l3 holds model {l3['model_id']}@{l3['model_revision']}; {l3['hits_recorded']} block hits "
                       f"recorded; namespaces: {', '.join(l3['namespaces']) or '-'}")
+    for line in rdma_lines(data["rdma"]):
+        console.print(line, markup=False, soft_wrap=True)
 
 
 def _opt(v) -> str:
