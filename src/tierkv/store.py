@@ -199,10 +199,14 @@ class TierKVStore(StoreWrites):
         if pin:
             self.index.pin(local)
             m.pinned = list(local)
+        selective = self.config.policy.write == "write_through_selective"
+        unselected = [e for e in local if e.freq <= 1.0] if selective else []
         self.index.touch(local)
-        if self.config.policy.write == "write_through_selective":
+        if selective:
             # freq > 1 only after a block's second hit (each hit adds 1, decay keeps the rest > 0).
-            self._persist_async([e for e in local if e.freq > 1.0])
+            # L2/L3 copies are redone whenever a selected block lacks them; L4, which the index
+            # does not track, gets one copy, at the hit that selects the block.
+            self._persist_async([e for e in local if e.freq > 1.0], [e for e in unselected if e.freq > 1.0])
         self.metrics.count_lookup(tiers, len(keys) - len(tiers))
         return m
 

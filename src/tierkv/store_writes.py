@@ -26,22 +26,28 @@ class StoreWrites:
         """Local tiers below the fastest one holding ``entry`` that lack it (L2, L3)."""
         return [t for t in LOCAL_TIERS if t > entry.best and self._tiers[t] is not None and not entry.in_tier(t)]
 
-    def _persist_async(self, entries: Sequence[Entry]) -> None:
-        """Copy ``entries`` down to L2/L3 (and L4 under write_through) on the IO thread.
+    def _persist_async(self, entries: Sequence[Entry], to_l4: Sequence[Entry] | None = None) -> None:
+        """Copy ``entries`` down to L2/L3 on the IO thread, and those of ``to_l4`` to L4 as well.
 
-        Caller holds the lock. Each entry is pinned until its copy has landed,
-        so its source slot cannot be evicted or reused meanwhile.
+        ``to_l4`` is a subset of ``entries``; None means all of them under
+        write_through and none otherwise (write_through_selective names the
+        blocks it selects now). Caller holds the lock. Each entry is pinned
+        until its copy has landed, so its source slot cannot be evicted or
+        reused meanwhile.
         """
-        to_l4 = self.l4 is not None and self.config.policy.write == "write_through"
-        todo = [e for e in entries if e.key not in self._persisting and (to_l4 or self._persist_targets(e))]
+        if to_l4 is None:
+            to_l4 = entries if self.config.policy.write == "write_through" else ()
+        l4_keys = {e.key for e in to_l4} if self.l4 is not None else set()
+        todo = [e for e in entries if e.key not in self._persisting and (e.key in l4_keys or self._persist_targets(e))]
         if not todo:
             return
         self.index.pin(todo)
         self._persisting.update(e.key for e in todo)
-        self.transfer.io(self._persist, todo)
+        self.transfer.io(self._persist, todo, l4_keys)
 
-    def _persist(self, entries: list[Entry]) -> None:
-        """IO thread: L2 copies (memmoves) under the lock; L3 as one batch (one fdatasync) outside it."""
+    def _persist(self, entries: list[Entry], l4_keys: set[bytes]) -> None:
+        """IO thread: L2 copies (memmoves) under the lock; L3 as one batch (one fdatasync) and the
+        L4 copies of ``l4_keys`` as one batched put, both outside it."""
         try:
             with self._lock:
                 for entry in entries:
@@ -49,7 +55,7 @@ class StoreWrites:
                         src = self._block_view(entry, entry.best)
                         self.transfer.d2h_sync()
                         self._put_lower(entry, Tier.L2, src)
-                to_l4 = self._copies_for_l4(entries) if self.config.policy.write == "write_through" else []
+                to_l4 = self._copies_for_l4([e for e in entries if e.key in l4_keys])
                 to_l3 = [e for e in entries if Tier.L3 in self._persist_targets(e)]
                 srcs = [self._block_view(e, e.best) for e in to_l3]  # L1/L2 slots, stable while pinned
                 if to_l3:

@@ -251,6 +251,36 @@ def test_write_through_puts_to_l4_on_fill(redis_server, tmp_path, layout):
         b.close()
 
 
+def test_write_through_selective_puts_to_l4_on_the_second_hit(redis_server, tmp_path, layout):
+    from tierkv.config import PolicyConfig
+
+    a = make_node(tmp_path, "a", layout, redis_server.url, l2=8, l3=8,
+                  policy=PolicyConfig(name="lru", write="write_through_selective"))
+    b = make_node(tmp_path, "b", layout, redis_server.url)
+    try:
+        tokens = prompt(12, 3, layout)
+        keys = save_prompt(a, tokens)
+        a.release(a.lookup(tokens))  # first hit: nothing selected
+        a.flush()
+        assert a.l4.contains(keys) == [False] * 3
+        a.release(a.lookup(tokens[: layout.block_size]))  # second hit of block 0 only
+        a.flush()
+        assert a.l4.contains(keys) == [True, False, False]
+        a.release(a.lookup(tokens))  # second hit of blocks 1 and 2, third of block 0 (not sent again)
+        a.release(a.lookup(tokens))
+        a.flush()
+        s = a.stats()
+        assert s["evictions"] == {} and a.l4.contains(keys) == [True] * 3
+        assert s["bytes"]["l4_write"] == 3 * layout.block_bytes and s["failures"] == {}
+        m, slots, result = load_into_l1(b, tokens)
+        assert m.tiers == [Tier.L4] * 3 and result.ok == [True] * 3
+        assert all(same_bytes(b.l1.block(s), block_for(k, layout)) for k, s in zip(keys, slots))
+        b.release(m)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_hung_pool_never_blocks_other_store_calls(redis_server, tmp_path, layout):
     import threading
 
