@@ -281,6 +281,39 @@ def test_write_through_selective_puts_to_l4_on_the_second_hit(redis_server, tmp_
         b.close()
 
 
+def test_l4_put_queue_is_capped_and_drains_after_a_hang(redis_server, tmp_path, layout):
+    from tierkv.store_writes import L4_MAX_QUEUED
+
+    extra = 44
+    n = L4_MAX_QUEUED + extra
+    # The timeout outlasts the pause: the first put waits for the hung server and then succeeds.
+    node = make_node(tmp_path, "n", layout, redis_server.url, l1=n, timeout_ms=10_000)
+    try:
+        keys = save_prompt(node, prompt(13, n, layout))
+        drain(node)  # connected (the save's lookup asked L4), nothing queued
+        redis_server.pause()
+        try:
+            assert node.persist(keys, Tier.L4) == L4_MAX_QUEUED  # no exception: the excess is dropped
+            marker = node.transfer.io(lambda: None)
+            time.sleep(0.3)
+            assert not marker.done()  # the IO thread is stuck on the first put
+            s = node.stats()
+            assert s["failures"] == {"l4_put_dropped": extra} and s["bytes"].get("l4_write", 0) == 0
+        finally:
+            redis_server.resume()
+        marker.result(timeout=30)
+        s = node.stats()
+        assert s["failures"] == {"l4_put_dropped": extra}  # the queued ones neither timed out nor failed
+        assert s["bytes"]["l4_write"] == L4_MAX_QUEUED * layout.block_bytes
+        assert node.l4.contains(keys) == [True] * L4_MAX_QUEUED + [False] * extra
+        dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in range(2)]
+        assert node.l4.get([keys[0], keys[L4_MAX_QUEUED - 1]], dst) == [True, True]
+        assert same_bytes(dst[0], block_for(keys[0], layout))
+        assert same_bytes(dst[1], block_for(keys[L4_MAX_QUEUED - 1], layout))
+    finally:
+        node.close()
+
+
 def test_a_hung_pool_never_blocks_other_store_calls(redis_server, tmp_path, layout):
     import threading
 
