@@ -1,8 +1,8 @@
 """L4 bandwidth through tierkv's remote tier against each backend's own client, in the same run.
 
-redis_raw_put/get_gbps     redis-py pipelines SET/GET of values of the same size (no header, no checks;
+redis_raw_put/get_gbps     redis-py pipelines SET/GET of values of the same size (no trailer, no checks;
                            zero-copy packer, the tier's read size, hiredis replies when installed)
-redis_put/get_gbps         RemoteTier over redis:// (header + xxh3 checksum, MAC off; get verifies and copies into a block)
+redis_put/get_gbps         RemoteTier over redis:// (trailer + xxh3 checksum, MAC off; get verifies and copies into a block)
 mooncake_raw_put/get_gbps  MooncakeDistributedStore.batch_put_from / batch_get_into, values in one registered region
 mooncake_put/get_gbps      RemoteTier over mooncake:// (same checks as Redis)
 *_mac_put/get_gbps         the same tiers with l4.auth_key set (keyed BLAKE2b over every value)
@@ -29,11 +29,11 @@ from _common import parser, print_table, write_json  # noqa: E402
 from tierkv.config import L4Config  # noqa: E402
 from tierkv.layout import KVLayout  # noqa: E402
 from tierkv.tiers.remote import open_remote  # noqa: E402
-from tierkv.tiers.remote.base import HEADER_BYTES  # noqa: E402
+from tierkv.tiers.remote.base import TRAILER_BYTES  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, block_size=16, dtype="float16")  # 512 KiB
 BATCH = 16
-VALUE = HEADER_BYTES + LAYOUT.block_bytes
+VALUE = TRAILER_BYTES + LAYOUT.block_bytes
 
 
 def free_port() -> int:
@@ -183,6 +183,9 @@ class TierRun:
         self.tier = open_remote(L4Config(url=url, timeout_ms=30_000, key_prefix=prefix, auth_key=auth_key), LAYOUT)
         self.blocks = blocks
         self.dst = torch.empty_like(blocks)
+        # As the store registers its L1 pool and L2 slab (and raw registers its buffer): no staging copies.
+        self.tier.register(blocks)
+        self.tier.register(self.dst)
         self.keys = [i.to_bytes(16, "little") for i in range(len(blocks))]
 
     def put(self, b: int) -> None:
@@ -271,7 +274,7 @@ def main() -> None:
     figures["values_per_round"] = n
     figures["batch"] = BATCH
     figures["seconds"] = time.perf_counter() - started
-    print_table(f"L4 remote tier, {n} values of {LAYOUT.block_bytes >> 10} KiB (+{HEADER_BYTES} B header), "
+    print_table(f"L4 remote tier, {n} values of {LAYOUT.block_bytes >> 10} KiB (+{TRAILER_BYTES} B trailer), "
                 f"batches of {BATCH}, lower quartile of {reps} interleaved rounds per batch", rows)
     write_json(args.json, figures)
 

@@ -124,7 +124,13 @@ class TierKVStore(StoreWrites):
     def _open_remote(self):
         from tierkv.tiers.remote import open_remote
 
-        return open_remote(self.config.l4, self.layout, self._on_failure)
+        tier = open_remote(self.config.l4, self.layout, self._on_failure)
+        # Loads from L4 land in L1 slots (or L2 slots): registered once, a pool client that moves
+        # data by registered memory (Mooncake) fills them without a staging copy.
+        for memory in (self.l1.pool if self.l1 is not None else None, self.l2.slab if self.l2 is not None else None):
+            if memory is not None:
+                tier.register(memory)
+        return tier
 
     def _on_failure(self, tier: str, reason: str, n: int, detail: str) -> None:
         self.metrics.failure(tier, reason, n, detail)

@@ -1,4 +1,4 @@
-"""Value header, MAC and circuit breaker: pure, no server."""
+"""Value trailer, MAC and circuit breaker: pure, no server."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from _kv import LAYOUT, ODD_LAYOUT, block_for, key_of, same_bytes
 from tierkv.config import L4Config
 from tierkv.tiers.remote import open_remote
 from tierkv.tiers.remote.base import (
-    CORRUPT, FOREIGN, HEADER_BYTES, LAYOUT as LAYOUT_VERDICT, OK, TRUNCATED, UNAUTHENTICATED,
-    CircuitBreaker, Deadline, RemoteUnavailable, ValueCodec, _copy_payload)
+    CORRUPT, FOREIGN, LAYOUT as LAYOUT_VERDICT, OK, TRUNCATED, UNAUTHENTICATED,
+    TRAILER_BYTES, CircuitBreaker, Deadline, RemoteUnavailable, ValueCodec)
+from tierkv.tiers.base import as_bytes
 
 
 def encode(codec: ValueCodec, key: bytes, layout=LAYOUT) -> bytearray:
@@ -22,21 +23,25 @@ def encode(codec: ValueCodec, key: bytes, layout=LAYOUT) -> bytearray:
 def test_round_trip_is_byte_identical():
     codec, key = ValueCodec(LAYOUT), key_of("a")
     value = encode(codec, key)
-    assert len(value) == HEADER_BYTES + LAYOUT.block_bytes and value[:4] == b"TKV4"
+    P = LAYOUT.block_bytes
+    assert len(value) == P + TRAILER_BYTES and value[P:P + 4] == b"TKV4"
+    assert same_bytes(torch.frombuffer(bytearray(value[:P]), dtype=LAYOUT.torch_dtype).view(LAYOUT.block_shape),
+                      block_for(key, LAYOUT))  # the payload is the block's bytes, from offset 0
     assert codec.check(key, memoryview(value)) == OK
+    # Split as a backend delivers it: the payload landed in the block itself, the trailer apart.
     out = torch.empty(LAYOUT.block_shape, dtype=LAYOUT.torch_dtype)
-    _copy_payload(out, memoryview(bytes(value)))
+    payload = as_bytes(out)
+    payload[:] = value[:P]
+    tail = bytes(value[P:])
+    assert codec.verify(key, len(value), tail, payload) == OK
     assert same_bytes(out, block_for(key, LAYOUT))
-    fused = torch.empty(LAYOUT.block_shape, dtype=LAYOUT.torch_dtype)
-    assert codec.verify_into(key, memoryview(bytes(value)), fused) == OK
-    assert same_bytes(fused, block_for(key, LAYOUT))
-    # A strided destination (e.g. a slice of a bigger pool) gets the same bytes.
-    layers, *rest = LAYOUT.block_shape
-    pool = torch.zeros((layers, 2, *rest), dtype=LAYOUT.torch_dtype)
-    strided = pool[:, 1]
-    assert not strided.is_contiguous()
-    _copy_payload(strided, memoryview(bytes(value)))
-    assert same_bytes(pool[:, 1].contiguous(), block_for(key, LAYOUT)) and not pool[:, 0].any()
+    payload[5] ^= 1
+    assert codec.verify(key, len(value), tail, payload) == CORRUPT
+    # The payload is not even read when the trailer already says no.
+    assert codec.verify(key, len(value) - 1, tail, memoryview(b"")) == TRUNCATED
+    assert codec.verify(key, len(value) + 1, b"", memoryview(b"")) == LAYOUT_VERDICT  # too big to hold
+    assert codec.verify(key, 10, bytes(value[:10]), memoryview(b"")) == TRUNCATED
+    assert codec.verify(key, len(value), b"\x00" * TRAILER_BYTES, memoryview(b"")) == FOREIGN
 
 
 def test_every_bad_value_has_its_reason():
@@ -48,7 +53,7 @@ def test_every_bad_value_has_its_reason():
     assert codec.check(key, memoryview(b"")) == TRUNCATED
     assert codec.check(key, memoryview(b"\x00" * len(value))) == FOREIGN
     flipped = bytearray(value)
-    flipped[HEADER_BYTES + 7] ^= 1
+    flipped[7] ^= 1
     assert codec.check(key, memoryview(flipped)) == CORRUPT
     odd = ValueCodec(ODD_LAYOUT)
     assert codec.check(key, memoryview(encode(odd, key, ODD_LAYOUT))) == LAYOUT_VERDICT

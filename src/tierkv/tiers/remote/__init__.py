@@ -3,7 +3,7 @@
 ``mooncake://`` is Mooncake Store (RDMA where a device is found, TCP
 otherwise); ``redis://``, ``rediss://``, ``valkey://`` and
 ``redis+cluster://`` are any Redis-protocol server or cluster. Both sit
-behind ``RemoteTier``, which adds the value header, checksum, optional MAC
+behind ``RemoteTier``, which adds the value trailer, checksum, optional MAC
 and the circuit breaker. Backend clients are imported only here, on demand.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from tierkv.config import L4Config
 from tierkv.layout import KVLayout
-from tierkv.tiers.remote.base import HEADER_BYTES, CircuitBreaker, FailureHook, RemoteTier
+from tierkv.tiers.remote.base import TRAILER_BYTES, CircuitBreaker, FailureHook, RemoteTier
 
 __all__ = ["RemoteTier", "open_backend", "open_remote"]
 
@@ -38,6 +38,6 @@ def open_remote(config: L4Config, layout: KVLayout, on_failure: FailureHook | No
     Raises ValueError for a malformed URL and ImportError (naming the pip
     extra) when the backend's client library is missing.
     """
-    backend = open_backend(config.url, config.timeout_ms, HEADER_BYTES + layout.block_bytes)
+    backend = open_backend(config.url, config.timeout_ms, layout.block_bytes + TRAILER_BYTES)
     breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_s)
     return RemoteTier(backend, layout, config.key_prefix, config.auth_key, breaker, on_failure)

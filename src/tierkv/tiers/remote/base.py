@@ -1,17 +1,18 @@
 """L4 remote tier: the value format, the circuit breaker and the BlockTier shell (DESIGN §5, §13).
 
-Every value stored in a remote pool is ``header || payload`` where the 64-byte
-header is::
+Every value stored in a remote pool is ``payload || trailer`` where the
+64-byte trailer (DESIGN's "header", stored last so the block starts at the
+value's first byte and moves to and from the caller's memory in one piece) is::
 
     magic "TKV4" | version u16 | flags u16 | layout fingerprint 8B | key 16B
     | payload length u64 | xxh3_64(payload) u64 | MAC 16B (zeros when no auth key)
 
 With ``l4.auth_key`` set, the MAC is a keyed BLAKE2b-128 over the first 48
-header bytes and the payload, so a value written by anyone without the key is
+trailer bytes and the payload, so a value written by anyone without the key is
 a miss. A value that is foreign, truncated, of another layout or fails its
 checksum is a miss too, counted by reason, never wrong KV.
 
-``RemoteTier`` turns a small backend (``exists``/``read``/``write``/``delete``
+``RemoteTier`` turns a small backend (``exists``/``read_into``/``write``/``delete``
 over string names) into the batched BlockTier protocol. It owns the breaker:
 after ``l4.breaker_failures`` failed calls in a row it stops asking the pool
 for ``l4.breaker_reset_s`` and then lets one call through as a probe. Nothing
@@ -21,7 +22,6 @@ False, counted through the store's failure hook and logged once.
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import hmac
 import struct
@@ -32,20 +32,18 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Protocol
 
-import numpy as np
 import torch
 import xxhash
 
 from tierkv.layout import KVLayout
-from tierkv.tiers.base import Lineage, as_bytes, copy_block
+from tierkv.tiers.base import Lineage, copy_block
 
 MAGIC = b"TKV4"
-VERSION = 1
+VERSION = 2  # 1 was header-first
 FLAG_MAC = 1
-_HEAD = struct.Struct("<4sHH8s16sQQ")  # magic, version, flags, fingerprint, key, length, checksum
+_TAIL = struct.Struct("<4sHH8s16sQQ")  # magic, version, flags, fingerprint, key, length, checksum
 MAC_BYTES = 16
-_CHUNK = 64 << 10  # verify-and-copy granularity: small enough to stay in L2 between the two passes
-HEADER_BYTES = _HEAD.size + MAC_BYTES  # 64: payloads start cache-line aligned
+TRAILER_BYTES = _TAIL.size + MAC_BYTES  # 64
 FailureHook = Callable[[str, str, int, str], None]  # (tier, reason, blocks, detail)
 _FAILED = object()  # what ``RemoteTier._call`` returns for a skipped or failed call
 
@@ -59,12 +57,12 @@ class RemoteUnavailable(Exception):
 
 
 class ValueCodec:
-    """Builds and checks value headers for one layout. Stateless after construction; thread-safe."""
+    """Builds and checks value trailers for one layout. Stateless after construction; thread-safe."""
 
     def __init__(self, layout: KVLayout, auth_key: str = "") -> None:
         self.fingerprint = bytes.fromhex(layout.fingerprint)
         self.payload_bytes = layout.block_bytes
-        self.value_bytes = HEADER_BYTES + layout.block_bytes
+        self.value_bytes = layout.block_bytes + TRAILER_BYTES
         self._mac_key = auth_key.encode() if auth_key else b""
         if len(self._mac_key) > 64:
             self._mac_key = hashlib.blake2b(self._mac_key, digest_size=64).digest()
@@ -73,74 +71,65 @@ class ValueCodec:
     def authenticated(self) -> bool:
         return bool(self._mac_key)
 
-    def _mac(self, head: bytes | memoryview, payload: memoryview) -> bytes:
+    def _mac(self, fields: bytes | memoryview, payload: memoryview) -> bytes:
         h = hashlib.blake2b(key=self._mac_key, digest_size=MAC_BYTES)
-        h.update(head)
+        h.update(fields)
         h.update(payload)
         return h.digest()
 
-    def header(self, key: bytes, payload: memoryview) -> bytes:
-        """The 64 header bytes for ``payload`` stored under ``key``."""
+    def trailer(self, key: bytes, payload) -> bytes:
+        """The 64 trailer bytes for ``payload`` stored under ``key`` (reads the payload once, twice with a MAC)."""
         flags = FLAG_MAC if self._mac_key else 0
-        head = _HEAD.pack(MAGIC, VERSION, flags, self.fingerprint, key, len(payload),
-                          xxhash.xxh3_64_intdigest(payload))
-        mac = self._mac(head, payload) if self._mac_key else bytes(MAC_BYTES)
-        return head + mac
+        fields = _TAIL.pack(MAGIC, VERSION, flags, self.fingerprint, key, memoryview(payload).nbytes,
+                            xxhash.xxh3_64_intdigest(payload))
+        mac = self._mac(fields, payload) if self._mac_key else bytes(MAC_BYTES)
+        return fields + mac
 
     def encode_into(self, key: bytes, block: torch.Tensor, out: memoryview) -> None:
-        """Write header and payload of ``block`` into ``out`` (``value_bytes`` long)."""
-        payload = out[HEADER_BYTES:self.value_bytes]
-        dst = torch.frombuffer(payload, dtype=torch.uint8)
-        copy_block(dst, block.reshape(-1).view(torch.uint8))
-        out[:HEADER_BYTES] = self.header(key, payload)
+        """Write payload and trailer of ``block`` into ``out`` (``value_bytes`` long)."""
+        payload = out[:self.payload_bytes]
+        copy_block(torch.frombuffer(payload, dtype=torch.uint8), block.reshape(-1).view(torch.uint8))
+        out[self.payload_bytes:self.value_bytes] = self.trailer(key, payload)
 
-    def _check_header(self, key: bytes, value: memoryview) -> tuple[str, int, int]:
-        """(verdict, flags, checksum) from the header alone; verdict OK means the payload is worth reading."""
-        if len(value) < HEADER_BYTES:
-            return (TRUNCATED if value[:4] == MAGIC[: len(value)] else FOREIGN), 0, 0
-        magic, version, flags, fp, vkey, length, checksum = _HEAD.unpack_from(value)
-        if magic != MAGIC or version != VERSION or vkey != key:
-            return FOREIGN, 0, 0
-        if fp != self.fingerprint or length != self.payload_bytes:
-            return LAYOUT, 0, 0
-        if len(value) != HEADER_BYTES + length:
-            return TRUNCATED, 0, 0
-        if self._mac_key and not flags & FLAG_MAC:
-            return UNAUTHENTICATED, 0, 0
-        return OK, flags, checksum
+    def _check_trailer(self, key: bytes, length: int, tail: bytes | memoryview) -> tuple[str, int]:
+        """(verdict, checksum) of a ``length``-byte value from its last bytes ``tail`` alone.
 
-    def check(self, key: bytes, value: memoryview) -> str:
-        """OK when ``value`` is a whole, untampered block of this layout under ``key``; else the reason."""
-        return self.verify_into(key, value, None)
-
-    def verify_into(self, key: bytes, value: memoryview, dst: torch.Tensor | None) -> str:
-        """``check``, copying the payload into the CPU block ``dst`` on the way (dst undefined unless OK).
-
-        The copy and the checksum (and MAC) run chunk by chunk, so the payload
-        is read from memory once: each chunk is hashed while still in cache.
+        Verdict OK means the payload is worth hashing.
         """
-        verdict, _flags, checksum = self._check_header(key, value)
+        if length < TRAILER_BYTES or len(tail) < TRAILER_BYTES:
+            # Too short to hold a trailer, or one larger than a staging slot (the backend kept none).
+            return (LAYOUT if length > self.value_bytes else TRUNCATED), 0
+        magic, version, flags, fp, vkey, size, checksum = _TAIL.unpack_from(tail, len(tail) - TRAILER_BYTES)
+        if magic != MAGIC or version != VERSION or vkey != key:
+            # A value cut short ends inside its payload: no trailer where one should be.
+            return (TRUNCATED if length < self.value_bytes else FOREIGN), 0
+        if fp != self.fingerprint or size != self.payload_bytes:
+            return LAYOUT, 0
+        if length != size + TRAILER_BYTES:
+            return TRUNCATED, 0
+        if self._mac_key and not flags & FLAG_MAC:
+            return UNAUTHENTICATED, 0
+        return OK, checksum
+
+    def verify(self, key: bytes, length: int, tail: bytes | memoryview, payload: memoryview) -> str:
+        """OK when a ``length``-byte value, whose last bytes are ``tail`` and whose payload
+        sits in ``payload``, is a whole, untampered block of this layout under ``key``; else
+        the reason. ``payload`` is read only when the trailer is good: one xxh3 pass (and one
+        BLAKE2b pass with the MAC on), in place, so a backend can land it in the caller's block.
+        """
+        verdict, checksum = self._check_trailer(key, length, tail)
         if verdict != OK:
             return verdict
-        payload = value[HEADER_BYTES:]
-        digest = xxhash.xxh3_64()
-        mac = None
-        if self._mac_key:
-            mac = hashlib.blake2b(key=self._mac_key, digest_size=MAC_BYTES)
-            mac.update(value[:_HEAD.size])
-        src = np.frombuffer(value, dtype=np.uint8, offset=HEADER_BYTES) if dst is not None else None
-        if dst is not None and dst.numel() * dst.element_size() != len(payload):
-            raise ValueError(f"l4 get: {len(payload)} payload bytes for a {dst.numel() * dst.element_size()}-byte block")
-        for off in range(0, len(payload), _CHUNK):
-            piece = payload[off:off + _CHUNK]
-            if src is not None:
-                ctypes.memmove(dst.data_ptr() + off, src.ctypes.data + off, len(piece))
-            digest.update(piece)
-            if mac is not None:
-                mac.update(piece)
-        if mac is not None and not hmac.compare_digest(mac.digest(), bytes(value[_HEAD.size:HEADER_BYTES])):
+        tail = tail[len(tail) - TRAILER_BYTES:]
+        if self._mac_key and not hmac.compare_digest(self._mac(tail[:_TAIL.size], payload),
+                                                     bytes(tail[_TAIL.size:])):
             return UNAUTHENTICATED
-        return OK if digest.intdigest() == checksum else CORRUPT
+        return OK if xxhash.xxh3_64_intdigest(payload) == checksum else CORRUPT
+
+    def check(self, key: bytes, value: memoryview) -> str:
+        """``verify`` for a whole value in one buffer."""
+        cut = max(0, len(value) - TRAILER_BYTES)
+        return self.verify(key, len(value), value[cut:], value[:cut])
 
 
 class CircuitBreaker:
@@ -249,18 +238,30 @@ class RemoteBackend(Protocol):
 
     def exists(self, names: list[str]) -> list[bool]: ...
 
-    def write(self, names: list[str], header: Callable[[int], bytes], payloads: list[memoryview]) -> list[bool]:
-        """Store value i = ``header(i) + payloads[i]``; the payloads stay unchanged until return.
+    def write(self, names: list[str], trailer: Callable[[int], bytes], blocks: list[torch.Tensor]) -> list[bool]:
+        """Store value i = bytes of ``blocks[i]`` + ``trailer(i)``; the blocks stay unchanged until return.
 
-        ``header(i)`` reads payload i once (checksum, MAC): call it just before
-        sending payload i, so the send finds the bytes still in cache.
+        Blocks are contiguous CPU tensors. ``trailer(i)`` reads block i once
+        (checksum, MAC): call it right after sending block i, or just before,
+        so it finds the bytes in cache.
         """
 
-    def read(self, names: list[str], size: int, sink: Callable[[int, memoryview], None]) -> None:
-        """Fetch values; ``sink(i, value)`` runs on the caller's thread for each one found (view valid only then).
+    def read_into(self, names: list[str], blocks: list[torch.Tensor]) -> list[tuple[int, bytes]]:
+        """Fetch value i: its payload into ``blocks[i]``, its last TRAILER_BYTES into the returned ``tail``.
 
-        ``value`` is None for a value larger than ``size`` (another layout's).
+        Blocks are contiguous CPU tensors. Per name ``(length, tail)``:
+        ``length`` is the stored value's size, -1 when the name is missing
+        (``tail`` then empty). When ``length`` is not ``block bytes +
+        TRAILER_BYTES``, ``blocks[i]`` is undefined and ``tail`` holds what
+        the backend could read of the value's last bytes (nothing for a value
+        larger than it can hold). Returns only once nothing more will be
+        written into ``blocks``.
         """
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        """Tell the client that ``[ptr, ptr + nbytes)`` will be a source or destination, so it can
+        move data there without staging (RDMA/TCP registration). The memory must outlive the
+        backend. A no-op for clients that need none."""
 
     def delete(self, names: list[str]) -> None: ...
 
@@ -270,7 +271,7 @@ class RemoteBackend(Protocol):
 
 
 class RemoteTier:
-    """L4 as a BlockTier: header, checksum, MAC, breaker and failure accounting over a backend.
+    """L4 as a BlockTier: trailer, checksum, MAC, breaker and failure accounting over a backend.
 
     Capacity is the pool's business (it evicts on its own), so ``capacity``
     is unbounded and ``used`` unknown (-1). Methods may be called from any
@@ -287,6 +288,7 @@ class RemoteTier:
         self.codec = ValueCodec(layout, auth_key)
         self.breaker = breaker
         self.prefix = key_prefix
+        self._name_prefix = f"{key_prefix}/{layout.fingerprint}/"
         self._on_failure = on_failure or (lambda *a: None)
         self._lock = threading.Lock()
         self.counts = {"calls": 0, "failed_calls": 0, "skipped_calls": 0, "hits": 0, "misses": 0,
@@ -302,7 +304,7 @@ class RemoteTier:
 
     def key_name(self, key: bytes) -> str:
         """The pool's name for ``key``: ``<key_prefix>/<fingerprint>/<hex key>``."""
-        return f"{self.prefix}/{self.layout.fingerprint}/{key.hex()}"
+        return self._name_prefix + key.hex()
 
     def _count(self, **deltas: int) -> None:
         with self._lock:
@@ -333,19 +335,29 @@ class RemoteTier:
         found = self._call("exists", len(keys), self.backend.exists, [self.key_name(k) for k in keys])
         return [False] * len(keys) if found is _FAILED else list(found)
 
+    def _cpu_blocks(self, what: str, blocks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The blocks as contiguous CPU tensors of the layout's size (a bounce copy where they are not)."""
+        out = []
+        for b in blocks:
+            if b.numel() * b.element_size() != self.codec.payload_bytes:
+                raise ValueError(f"l4 {what}: a {b.numel() * b.element_size()}-byte block for a layout of "
+                                 f"{self.codec.payload_bytes} bytes")
+            out.append(b if b.device.type == "cpu" and b.is_contiguous() else torch.empty(b.shape, dtype=b.dtype))
+        return out
+
     def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
             lineage: Sequence[Lineage] | None = None) -> list[bool]:
-        """Store each block with its header. Blocks must be CPU tensors the caller keeps unchanged until return."""
+        """Store each block with its trailer. The caller keeps the blocks unchanged until return."""
         if not keys:
             return []
         codec = self.codec
-        payloads = [as_bytes(b if b.is_contiguous() else b.contiguous()) for b in blocks]
-        for p in payloads:
-            if len(p) != codec.payload_bytes:
-                raise ValueError(f"l4 put: a {len(p)}-byte block for a layout of {codec.payload_bytes} bytes")
+        src = self._cpu_blocks("put", blocks)
+        for s, b in zip(src, blocks):
+            if s is not b:
+                s.copy_(b)
         names = [self.key_name(k) for k in keys]
         ok = self._call("write", len(keys), self.backend.write, names,
-                        lambda i: codec.header(keys[i], payloads[i]), payloads)
+                        lambda i: codec.trailer(keys[i], src[i].numpy()), src)
         if ok is _FAILED:
             return [False] * len(keys)
         if not all(ok):
@@ -354,31 +366,44 @@ class RemoteTier:
         self._count(bytes_written=sum(ok) * codec.payload_bytes)
         return list(ok)
 
+    def register(self, memory: torch.Tensor) -> None:
+        """Register a long-lived CPU tensor (the store's L1 pool, L2 slab) that blocks are put from
+        and got into, so the backend moves them without staging copies. The caller keeps it alive
+        until ``close``. A CUDA tensor is ignored (its blocks travel through CPU bounce buffers)."""
+        if memory.device.type != "cpu" or not memory.is_contiguous():
+            return
+        try:
+            self.backend.register(memory.data_ptr(), memory.numel() * memory.element_size())
+        except (RemoteUnavailable, *self.backend.errors) as exc:  # its blocks are staged instead
+            self._on_failure(self.name, "register", 0, f"{self.backend.url}: {exc!r}")
+
     def get(self, keys: Sequence[bytes], dst: Sequence[torch.Tensor]) -> list[bool]:
-        """Copy each verified block into ``dst[i]``; False for a missing or bad value (dst then undefined)."""
+        """Copy each verified block into ``dst[i]``; False for a missing or bad value (dst then undefined).
+
+        A contiguous CPU block receives the payload directly (from the socket,
+        or by the transfer engine when it lies in registered memory) and is
+        verified in place; other blocks (CUDA, strided) go through a CPU bounce.
+        """
         if not keys:
             return []
-        out = [False] * len(keys)
-        bad: dict[str, int] = {}
         codec = self.codec
-
-        def sink(i: int, value: memoryview | None) -> None:
-            if value is None:
-                verdict = LAYOUT
-            elif dst[i].device.type == "cpu" and dst[i].is_contiguous():
-                verdict = codec.verify_into(keys[i], value, dst[i])
-            else:
-                verdict = codec.check(keys[i], value)
-                if verdict == OK:
-                    _copy_payload(dst[i], value)
+        blocks = self._cpu_blocks("get", dst)
+        names = [self.key_name(k) for k in keys]
+        found = self._call("read", len(keys), self.backend.read_into, names, blocks)
+        out = [False] * len(keys)
+        if found is _FAILED:
+            return out
+        bad: dict[str, int] = {}
+        for i, (length, tail) in enumerate(found):
+            if length < 0:
+                continue
+            verdict = codec.verify(keys[i], length, tail, blocks[i].numpy())
             if verdict != OK:
                 bad[verdict] = bad.get(verdict, 0) + 1
-                return
+                continue
+            if blocks[i] is not dst[i]:
+                dst[i].copy_(blocks[i])
             out[i] = True
-
-        names = [self.key_name(k) for k in keys]
-        if self._call("read", len(keys), self.backend.read, names, codec.value_bytes, sink) is _FAILED:
-            return out
         for verdict, n in bad.items():
             self._on_failure(self.name, verdict, n, f"{self.backend.url}: {n} value(s) rejected as {verdict}")
         hits = sum(out)
@@ -401,14 +426,3 @@ class RemoteTier:
     def close(self) -> None:
         self.backend.close()
 
-
-def _copy_payload(dst: torch.Tensor, value: memoryview) -> None:
-    """Copy the payload of a verified value (possibly read-only bytes) into a block on any device."""
-    src = np.frombuffer(value, dtype=np.uint8, offset=HEADER_BYTES)
-    n = dst.numel() * dst.element_size()
-    if n != src.nbytes:
-        raise ValueError(f"l4 get: {src.nbytes} payload bytes for a {n}-byte block")
-    if dst.device.type == "cpu" and dst.is_contiguous():
-        ctypes.memmove(dst.data_ptr(), src.ctypes.data, n)
-    else:
-        dst.copy_(torch.from_numpy(src.copy()).view(dst.dtype).view(dst.shape))

@@ -17,20 +17,37 @@ URL: ``mooncake://MASTER_HOST:PORT[?option=value&...]``. Options:
   this host uses to reach the master).
 - ``staging``: values per batch in the registered staging buffer (default 32).
 
-Data moves with ``batch_put_from`` / ``batch_get_into`` through one staging
-buffer registered with the transfer engine once, at connect: a value (header +
-block) is built there and sent from there, and read back there, verified, and
-only then copied into the caller's block. Mooncake's RPCs retry for seconds
-when the master is gone, so every call runs under ``tiers.remote.base.Deadline``
-with ``l4.timeout_ms``; a late call keeps the staging buffer until it ends.
-Transfers and membership calls have one worker thread each, so a lookup never
-queues behind a batch of transfers.
+Blocks in memory registered with ``register`` (the store registers its L1
+pool and L2 slab) move without a staging copy: ``batch_put_from_multi_buffers``
+sends a value as the block in place plus its 64-byte trailer (from a small
+registered trailer page), and ``batch_get_into_multi_buffers`` lands the
+payload straight in the caller's block and the trailer in a trailer page; the
+tier then verifies the block in place. (Payload first: Mooncake moves a
+value whose large piece starts it about 5 % faster than one that starts with
+a small piece.) Such a direct call runs on the caller's thread and returns only
+when Mooncake is done with the caller's memory, so a late transfer can never
+write into a block the caller has since reused; it is bounded by Mooncake's own
+RPC and TCP timeouts, which tierkv sets from ``l4.timeout_ms`` unless the
+environment already does (``MC_RPC_TIMEOUT_MS``, ``MC_RPC_CONNECT_TIMEOUT_MS``,
+``MC_TCP_PROGRESS_TIMEOUT_SEC``, ``MC_TCP_STATUS_TIMEOUT_SEC``; process-wide,
+read when the first client connects). A hung pool node can hold a direct call
+for about two progress timeouts (whole seconds), a hung master for one RPC
+timeout.
+
+Blocks elsewhere go through one registered staging buffer: a value (block +
+trailer) is built there and sent from there, or read back there, and its payload
+copied into the caller's block. Those calls run under
+``tiers.remote.base.Deadline`` with ``l4.timeout_ms``; a late call keeps the
+staging buffer until it ends. Membership and removal calls have their own
+worker thread, so a lookup never queues behind a batch of transfers.
 Connecting is lazy and retried (through the tier's breaker) when it fails.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
+import os
 import socket
 import threading
 from collections.abc import Callable
@@ -38,7 +55,11 @@ from urllib.parse import parse_qs, urlsplit
 
 from tierkv.config import parse_size
 from tierkv.tiers.remote import rdma
-from tierkv.tiers.remote.base import HEADER_BYTES, Deadline, RemoteUnavailable
+import torch
+
+from tierkv.tiers.base import as_bytes
+from tierkv.tiers.remote.base import TRAILER_BYTES, Deadline, RemoteUnavailable
+from tierkv.tiers.remote.regions import TrailerPages, Regions, address
 
 DEFAULT_METADATA_PORT = 8080
 _OPTIONS = ("metadata", "segment", "buffer", "protocol", "devices", "local", "staging")
@@ -47,6 +68,16 @@ _OBJECT_NOT_FOUND = -704
 _OBJECT_ALREADY_EXISTS = -705
 _BUFFER_TOO_SMALL = -600
 _RPC_FAIL = -900
+TRAILER_PAGES = 8  # direct calls that may run at once (each borrows one page of trailers)
+
+
+def bound_client_timeouts(timeout_ms: int) -> None:
+    """Mooncake's own RPC and TCP timeouts, 30-60 s by default, set from ``l4.timeout_ms``
+    unless the environment already sets them: they bound the direct calls (see the module doc)."""
+    seconds = str(max(1, math.ceil(timeout_ms / 1000)))
+    for name, value in (("MC_RPC_TIMEOUT_MS", str(timeout_ms)), ("MC_RPC_CONNECT_TIMEOUT_MS", str(timeout_ms)),
+                        ("MC_TCP_PROGRESS_TIMEOUT_SEC", seconds), ("MC_TCP_STATUS_TIMEOUT_SEC", seconds)):
+        os.environ.setdefault(name, value)
 
 
 def _import_store():
@@ -100,8 +131,10 @@ class MooncakeOptions:
 class MooncakeBackend:
     """Batched exists/read/write/delete over a Mooncake Store pool.
 
-    Thread-safe: transfers run one at a time on their worker (they share the
-    staging buffer), membership and removal calls on another.
+    Thread-safe: direct transfers (registered memory) run on their callers'
+    threads, up to TRAILER_PAGES at once; staged transfers one at a time on
+    their worker (they share the staging buffer); membership and removal
+    calls on another worker.
     """
 
     def __init__(self, url: str, timeout_ms: int, value_bytes: int) -> None:
@@ -121,7 +154,13 @@ class MooncakeBackend:
         self._connect_lock = threading.Lock()
         self._staging = mmap.mmap(-1, self.opts.staging * value_bytes)
         self._staging_view = memoryview(self._staging)
-        self._staging_ptr = _address(self._staging)
+        self._staging_ptr = address(self._staging)
+        self._regions = Regions()  # caller memory registered with the client (and again on reconnect)
+        self._tails = TrailerPages(TRAILER_PAGES, self.opts.staging, self.timeout_s)
+        self._direct = 0  # direct calls running, so close() waits for them
+        self.calls = {"direct": 0, "staged": 0}  # transfer calls by path, for stats
+        self._direct_done = threading.Condition()
+        bound_client_timeouts(timeout_ms)
 
     def _pick_protocol(self) -> tuple[str, str, str]:
         want = self.opts.protocol
@@ -151,11 +190,24 @@ class MooncakeBackend:
         rc = store.setup(o.local, o.metadata, o.segment, o.buffer, self.protocol, self.devices, o.master)
         if rc != 0:
             raise RemoteUnavailable(f"setup against master {o.master} failed with code {rc}")
-        rc = store.register_buffer(self._staging_ptr, len(self._staging))
-        if rc != 0:
-            store.close()
-            raise RemoteUnavailable(f"registering the staging buffer failed with code {rc}")
+        for ptr, nbytes in ((self._staging_ptr, len(self._staging)), (self._tails.ptr, len(self._tails.buf))):
+            rc = store.register_buffer(ptr, nbytes)
+            if rc != 0:
+                store.close()
+                raise RemoteUnavailable(f"registering {nbytes} bytes of transfer memory failed with code {rc}")
+        for ptr, nbytes in self._regions.all():
+            if store.register_buffer(ptr, nbytes) != 0:
+                self._regions.remove(ptr)  # its blocks go through staging instead
         self._store = store
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        """Register caller memory now when connected (else at connect). A failure leaves it staged."""
+        with self._connect_lock:
+            if self._store is not None:
+                rc = self._connect_deadline.run(self._store.register_buffer, ptr, nbytes)
+                if rc != 0:
+                    raise RemoteUnavailable(f"registering {nbytes} bytes failed with code {rc}")
+            self._regions.add(ptr, nbytes)
 
     def _client(self):
         """The connected store, connecting first when needed (bounded by the connect deadline)."""
@@ -170,6 +222,8 @@ class MooncakeBackend:
 
     def _run(self, fn: Callable, *args, after: Callable | None = None):
         self._client()
+        with self._direct_done:
+            self.calls["staged"] += 1
         return self._deadline.run(fn, *args, after=after)
 
     def _run_meta(self, fn: Callable):
@@ -189,26 +243,75 @@ class MooncakeBackend:
         for start in range(0, n, step):
             yield start, min(n, start + step)
 
-    def write(self, names: list[str], header: Callable[[int], bytes], payloads: list[memoryview]) -> list[bool]:
+    def _in_registered(self, blocks: list[torch.Tensor]) -> list[int] | None:
+        """The blocks' addresses when every one lies in registered memory, else None."""
+        ptrs = [b.data_ptr() for b in blocks]
+        nbytes = blocks[0].numel() * blocks[0].element_size() if blocks else 0
+        return ptrs if all(self._regions.covers(q, nbytes) for q in ptrs) else None
+
+    def _direct_call(self, fn: Callable, *args):
+        """``fn(page, *args)`` on this thread with one borrowed trailer page.
+
+        Returns once Mooncake is done with the caller's memory; bounded by
+        Mooncake's own timeouts (``bound_client_timeouts``), not by a Deadline.
+        """
+        self._client()
+        page = self._tails.borrow()
+        with self._direct_done:
+            self._direct += 1
+            self.calls["direct"] += 1
+        try:
+            return fn(page, *args)
+        finally:
+            self._tails.give_back(page)
+            with self._direct_done:
+                self._direct -= 1
+                self._direct_done.notify_all()
+
+    def _pieces(self, page: int, ptrs: list[int], nbytes: int) -> tuple[list[list[int]], list[list[int]]]:
+        """Per value: the block where it lies, then its trailer slot in ``page``."""
+        base = self._tails.ptr + page
+        return ([[q, base + j * TRAILER_BYTES] for j, q in enumerate(ptrs)],
+                [[nbytes, TRAILER_BYTES]] * len(ptrs))
+
+    # -- write ------------------------------------------------------------------
+
+    def write(self, names: list[str], trailer: Callable[[int], bytes], blocks: list[torch.Tensor]) -> list[bool]:
         out: list[bool] = []
         for start, end in self._chunks(len(names)):
-            out.extend(self._run(self._write_chunk, names[start:end], start, header, payloads[start:end]))
+            ptrs = self._in_registered(blocks[start:end])
+            if ptrs is not None:
+                out.extend(self._direct_call(self._write_direct, names[start:end], start, trailer,
+                                             blocks[start:end], ptrs))
+            else:
+                out.extend(self._run(self._write_staged, names[start:end], start, trailer, blocks[start:end]))
         return out
 
-    def _write_chunk(self, names: list[str], start: int, header: Callable[[int], bytes],
-                     payloads: list[memoryview]) -> list[bool]:
+    def _write_direct(self, page: int, names: list[str], start: int, trailer: Callable[[int], bytes],
+                      blocks: list[torch.Tensor], ptrs: list[int]) -> list[bool]:
+        """Each value goes out as two pieces: its block where it lies, its trailer from the page."""
+        view = self._tails.view
+        for j in range(len(names)):
+            view[page + j * TRAILER_BYTES:page + (j + 1) * TRAILER_BYTES] = trailer(start + j)
+        nbytes = blocks[0].numel() * blocks[0].element_size()
+        return self._put_verdicts(self._store.batch_put_from_multi_buffers(names, *self._pieces(page, ptrs, nbytes)))
+
+    def _write_staged(self, names: list[str], start: int, trailer: Callable[[int], bytes],
+                      blocks: list[torch.Tensor]) -> list[bool]:
         ptrs, sizes, offset = [], [], 0
-        for j, payload in enumerate(payloads):
-            size = HEADER_BYTES + len(payload)
+        for j, block in enumerate(blocks):
+            payload = as_bytes(block)
+            size = len(payload) + TRAILER_BYTES
             if size > self.value_bytes:
                 raise ValueError(f"l4 put: a {size}-byte value does not fit a {self.value_bytes}-byte staging slot")
-            # Payload first: the header's checksum pass then finds it in cache.
-            self._staging_view[offset + HEADER_BYTES:offset + size] = payload
-            self._staging_view[offset:offset + HEADER_BYTES] = header(start + j)
+            self._staging_view[offset:offset + len(payload)] = payload
+            self._staging_view[offset + len(payload):offset + size] = trailer(start + j)
             ptrs.append(self._staging_ptr + offset)
             sizes.append(size)
             offset += self.value_bytes
-        codes = self._store.batch_put_from(names, ptrs, sizes)
+        return self._put_verdicts(self._store.batch_put_from(names, ptrs, sizes))
+
+    def _put_verdicts(self, codes: list[int]) -> list[bool]:
         if codes and all(c == _RPC_FAIL for c in codes):
             raise RemoteUnavailable(f"put failed with code {_RPC_FAIL} (RPC_FAIL)")
         refused = sorted({c for c in codes if c not in (0, _OBJECT_ALREADY_EXISTS)})
@@ -216,24 +319,67 @@ class MooncakeBackend:
             self.refused_codes = refused
         return [c == 0 or c == _OBJECT_ALREADY_EXISTS for c in codes]
 
-    def read(self, names: list[str], size: int, sink: Callable[[int, memoryview | None], None]) -> None:
-        if size > self.value_bytes:
-            raise ValueError(f"l4 get: {size}-byte values do not fit {self.value_bytes}-byte staging slots")
+    # -- read -------------------------------------------------------------------
+
+    def read_into(self, names: list[str], blocks: list[torch.Tensor]) -> list[tuple[int, bytes]]:
+        out: list[tuple[int, bytes]] = []
         for start, end in self._chunks(len(names)):
-            chunk = names[start:end]
-            ptrs = [self._staging_ptr + j * size for j in range(len(chunk))]
+            chunk, dst = names[start:end], blocks[start:end]
+            ptrs = self._in_registered(dst)
+            if ptrs is None:
+                out.extend(self._read_staged(chunk, dst))
+                continue
+            found = self._direct_call(self._read_direct, chunk, dst, ptrs)
+            # Values of another size (Mooncake reports only a failed transfer for those):
+            # read them again through staging, which sees their real size and trailer.
+            odd = [j for j, (length, _) in enumerate(found) if length is None]
+            if odd:
+                for j, result in zip(odd, self._read_staged([chunk[j] for j in odd], [dst[j] for j in odd])):
+                    found[j] = result
+            out.extend(found)
+        return out
 
-            def deliver(codes: list[int], start: int = start) -> None:
-                if codes and all(c == _RPC_FAIL for c in codes):
-                    raise RemoteUnavailable(f"get failed with code {_RPC_FAIL} (RPC_FAIL)")
-                for j, n in enumerate(codes):
-                    if n > 0:
-                        sink(start + j, self._staging_view[j * size:j * size + n])
-                    elif n == _BUFFER_TOO_SMALL:
-                        sink(start + j, None)
+    def _read_direct(self, page: int, names: list[str], blocks: list[torch.Tensor],
+                     ptrs: list[int]) -> list[tuple[int | None, bytes]]:
+        """Payloads straight into the caller's blocks, trailers into the page. Length None: read it again staged."""
+        nbytes = blocks[0].numel() * blocks[0].element_size()
+        codes = self._store.batch_get_into_multi_buffers(names, *self._pieces(page, ptrs, nbytes))
+        if codes and all(c < 0 and c != _OBJECT_NOT_FOUND for c in codes):
+            raise RemoteUnavailable(f"get failed with codes {sorted(set(codes))}")
+        out: list[tuple[int | None, bytes]] = []
+        for j, code in enumerate(codes):
+            if code == nbytes + TRAILER_BYTES:
+                out.append((code, self._tails.slot(page, j)))
+            elif code == _OBJECT_NOT_FOUND:
+                out.append((-1, b""))
+            else:
+                out.append((None, b""))
+        return out
 
-            sizes = [size] * len(chunk)
-            self._run(lambda: self._store.batch_get_into(chunk, ptrs, sizes), after=deliver)
+    def _read_staged(self, names: list[str], blocks: list[torch.Tensor]) -> list[tuple[int, bytes]]:
+        """Whole values into staging slots on the Deadline worker; back on this thread (gate still held),
+        payloads of the right size are copied out. A call that timed out never touches ``blocks``."""
+        size = self.value_bytes
+        ptrs = [self._staging_ptr + j * size for j in range(len(names))]
+
+        def deliver(codes: list[int]) -> list[tuple[int, bytes]]:
+            if codes and all(c == _RPC_FAIL for c in codes):
+                raise RemoteUnavailable(f"get failed with code {_RPC_FAIL} (RPC_FAIL)")
+            out = []
+            for j, (n, block) in enumerate(zip(codes, blocks)):
+                value = self._staging_view[j * size:j * size + max(n, 0)]
+                payload = as_bytes(block)
+                if n == len(payload) + TRAILER_BYTES:
+                    payload[:] = value[:len(payload)]
+                if n > 0:
+                    out.append((n, bytes(value[-TRAILER_BYTES:])))
+                elif n == _BUFFER_TOO_SMALL:
+                    out.append((size + 1, b""))  # larger than a block of this layout: another layout's
+                else:
+                    out.append((-1, b""))
+            return out
+
+        return self._run(lambda: self._store.batch_get_into(names, ptrs, [size] * len(names)), after=deliver)
 
     def delete(self, names: list[str]) -> None:
         self._run_meta(lambda: self._store.batch_remove(names, True))
@@ -241,21 +387,20 @@ class MooncakeBackend:
     def info(self) -> dict:
         return {"backend": "mooncake", "url": self.url, "protocol": self.protocol,
                 "rdma_devices": self.devices, "rdma_reason": self.rdma_reason,
-                "connected": self._store is not None, "refused_codes": self.refused_codes}
+                "connected": self._store is not None, "refused_codes": self.refused_codes,
+                "direct_calls": self.calls["direct"], "staged_calls": self.calls["staged"],
+                "registered_bytes": sum(n for _, n in self._regions.all())}
 
     def close(self) -> None:
-        """Disconnect (the pool keeps what others contributed). Waits for a running call to end."""
+        """Disconnect (the pool keeps what others contributed). Waits for running calls to end."""
         idle = all([self._deadline.close(), self._meta_deadline.close(), self._connect_deadline.close()])
+        with self._direct_done:
+            idle = self._direct_done.wait_for(lambda: self._direct == 0, timeout=5.0) and idle
         store, self._store = self._store, None
         if store is not None and idle:
             try:
-                store.unregister_buffer(self._staging_ptr)
+                for ptr, _ in ((self._staging_ptr, 0), (self._tails.ptr, 0), *self._regions.all()):
+                    store.unregister_buffer(ptr)
                 store.close()
             except Exception:  # closing a client whose master is gone is best effort
                 pass
-
-
-def _address(buf: mmap.mmap) -> int:
-    import ctypes
-
-    return ctypes.addressof(ctypes.c_char.from_buffer(buf))

@@ -3,17 +3,19 @@
 Schemes: ``redis://`` and ``valkey://`` (plain TCP), ``rediss://`` (TLS),
 ``redis+cluster://`` (Redis Cluster client; seeds from the URL's host). The
 rest of the URL is redis-py's: ``redis://[user:password@]host:port/db``.
-Values are stored whole (header and payload in one string) under names
+Values are stored whole (block and trailer in one string) under names
 namespaced by ``l4.key_prefix``; every batch is one pipelined round trip.
 
 Timeouts are redis-py's socket timeouts set to ``l4.timeout_ms`` and client
 retries are off, so a dead server costs one short timeout per call, after
 which the tier's breaker stops asking. Writes to a single server send each
-value as header + payload pieces on one connection (redis-py's packed-command
-API), so the block is never copied into one string. Thread-safe: redis-py's
-connection pool hands each call its own connection. Install ``hiredis`` (in
-the ``redis`` extra) for replies: redis-py's pure-Python parser reads
-512 KiB values about 3x slower.
+value as block + trailer pieces on one connection (redis-py's packed-command
+API), so the block is never copied into one string; reads parse the GET
+replies themselves (``resp.ReplyReader``) so each payload is received straight
+into the caller's block. Thread-safe: redis-py's connection pool hands each
+call its own connection. A cluster goes through redis-py's cluster pipeline
+(install ``hiredis``, in the ``redis`` extra: redis-py's pure-Python parser
+reads 512 KiB values about 3x slower).
 """
 
 from __future__ import annotations
@@ -22,7 +24,11 @@ import threading
 from collections.abc import Callable
 from urllib.parse import urlsplit, urlunsplit
 
-from tierkv.tiers.remote.base import RemoteUnavailable
+import torch
+
+from tierkv.tiers.base import as_bytes
+from tierkv.tiers.remote.base import TRAILER_BYTES, RemoteUnavailable
+from tierkv.tiers.remote.resp import ERROR, ReplyReader
 
 
 READ_SIZE = 1 << 20  # bytes per recv: values are whole blocks (hundreds of KiB), not small strings
@@ -102,32 +108,33 @@ class RedisBackend:
             out.append(bool(r))
         return out
 
-    def write(self, names: list[str], header: Callable[[int], bytes], payloads: list[memoryview]) -> list[bool]:
+    def write(self, names: list[str], trailer: Callable[[int], bytes], blocks: list[torch.Tensor]) -> list[bool]:
         if self.cluster:
             pipe = self._pipeline()
-            for i, (name, payload) in enumerate(zip(names, payloads)):
-                pipe.set(name, b"".join((header(i), payload)))
+            for i, (name, block) in enumerate(zip(names, blocks)):
+                pipe.set(name, b"".join((as_bytes(block), trailer(i))))
             return [r is True for r in self._execute(pipe)]
-        return self._write_gathered(names, header, payloads)
+        return self._write_gathered(names, trailer, blocks)
 
-    def _write_gathered(self, names: list[str], header: Callable[[int], bytes],
-                        payloads: list[memoryview]) -> list[bool]:
-        """SETs whose value goes out as header + payload pieces: the block is never copied into one string.
+    def _write_gathered(self, names: list[str], trailer: Callable[[int], bytes],
+                        blocks: list[torch.Tensor]) -> list[bool]:
+        """SETs whose value goes out as block + trailer pieces: the block is never copied into one string.
 
-        Each value is sent right after its header is built, while its bytes are still in cache;
-        the replies are read once all are sent (one round trip per batch).
+        Each trailer is built right after its block was sent, while the block's bytes are still in
+        cache; it rides with the next command's first piece. The replies are read once all are sent
+        (one round trip per batch).
         """
         pool = self.client.connection_pool
         conn = pool.get_connection()
         try:
-            tail = b""  # the previous value's CRLF rides with the next command's first piece
-            for i, (name, payload) in enumerate(zip(names, payloads)):
-                key, head = name.encode(), header(i)
-                size = len(head) + len(payload)
-                first = b"%s*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (tail, len(key), key, size, head)
+            carry = b""  # the previous value's trailer and CRLF
+            for i, (name, block) in enumerate(zip(names, blocks)):
+                key, payload = name.encode(), as_bytes(block)
+                size = len(payload) + TRAILER_BYTES
+                first = b"%s*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (carry, len(key), key, size)
                 conn.send_packed_command([first, payload], check_health=False)
-                tail = b"\r\n"
-            conn.send_packed_command([tail], check_health=False)
+                carry = trailer(i) + b"\r\n"
+            conn.send_packed_command([carry], check_health=False)
             replies = [conn.read_response(disconnect_on_error=True) for _ in names]
         except self._errors as exc:
             conn.disconnect()
@@ -136,16 +143,49 @@ class RedisBackend:
             pool.release(conn)
         return [r in (True, b"OK", "OK") for r in replies]
 
-    def read(self, names: list[str], size: int, sink: Callable[[int, memoryview | None], None]) -> None:
+    def read_into(self, names: list[str], blocks: list[torch.Tensor]) -> list[tuple[int, bytes]]:
+        if self.cluster:
+            return self._read_pipelined(names, blocks)
+        pool = self.client.connection_pool
+        conn = pool.get_connection()
+        try:
+            conn.send_packed_command(conn.pack_commands([("GET", name) for name in names]), check_health=False)
+            reader = ReplyReader(conn._sock)  # redis-py's parser never sees these replies
+            found = [reader.bulk(as_bytes(block)) for block in blocks]
+        except (*self._errors, RemoteUnavailable) as exc:
+            conn.disconnect()
+            raise RemoteUnavailable(repr(exc)) from None
+        except BaseException:
+            conn.disconnect()  # replies may be left unread on the socket
+            raise
+        finally:
+            pool.release(conn)
+        errors = [tail for length, tail in found if length == ERROR]
+        if errors and len(errors) == len(found):
+            raise RemoteUnavailable(f"every GET failed: {errors[0][:80]!r}")
+        return [(-1, b"") if length == ERROR else (length, tail) for length, tail in found]
+
+    def _read_pipelined(self, names: list[str], blocks: list[torch.Tensor]) -> list[tuple[int, bytes]]:
+        """A cluster pipeline (keys spread over nodes): redis-py's replies, copied into the blocks."""
         pipe = self._pipeline()
         for name in names:
             pipe.get(name)
         results = self._execute(pipe)
         if results and all(isinstance(r, Exception) for r in results):
             raise RemoteUnavailable(repr(results[0]))
-        for i, value in enumerate(results):
-            if isinstance(value, (bytes, bytearray)):
-                sink(i, memoryview(value))
+        out = []
+        for value, block in zip(results, blocks):
+            if not isinstance(value, (bytes, bytearray)):
+                out.append((-1, b""))
+                continue
+            payload = as_bytes(block)
+            if len(value) == len(payload) + TRAILER_BYTES:
+                payload[:] = memoryview(value)[:len(payload)]
+            out.append((len(value), bytes(value[-TRAILER_BYTES:])))
+        return out
+
+    def register(self, ptr: int, nbytes: int) -> None:
+        pass  # sockets need no registration
 
     def delete(self, names: list[str]) -> None:
         try:

@@ -1,0 +1,193 @@
+"""The zero-staging paths against real servers: payloads straight into and out of the caller's blocks.
+
+Mooncake moves blocks in registered memory with two-piece transfers (block in
+place + trailer page); Redis GET replies are parsed by tierkv and received
+straight into the block. Both must give the same bytes and the same verdicts
+as the staged paths, never write a caller's block after returning, and keep
+their connections usable after odd replies.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from _kv import LAYOUT, block_for, key_of, same_bytes
+
+from tierkv.config import L4Config
+from tierkv.tiers.remote import open_remote
+from tierkv.tiers.remote.base import TRAILER_BYTES, ValueCodec
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(params=["redis", "mooncake"])
+def pool(request):
+    return request.getfixturevalue("redis_server" if request.param == "redis" else "mooncake_pool")
+
+
+def tier_for(url: str, **fields):
+    fields.setdefault("timeout_ms", 1000)
+    return open_remote(L4Config(url=url, **fields), LAYOUT)
+
+
+def pool_tensor(n: int) -> torch.Tensor:
+    """A block pool like the store's L1 (blocks back to back), filled with garbage."""
+    t = torch.empty((n, *LAYOUT.block_shape), dtype=LAYOUT.torch_dtype)
+    t.view(torch.int16).fill_(-1)
+    return t
+
+
+def test_registered_blocks_move_directly_and_read_back_either_way(pool):
+    keys = [key_of("direct", i) for i in range(40)]  # more than one 32-value chunk
+    src, dst = pool_tensor(40), pool_tensor(40)
+    for i, k in enumerate(keys):
+        src[i].copy_(block_for(k, LAYOUT))
+    writer, reader = tier_for(pool.url), tier_for(pool.url)
+    try:
+        writer.register(src)
+        reader.register(dst)
+        assert writer.put(keys, list(src)) == [True] * 40
+        assert reader.get(keys, list(dst)) == [True] * 40
+        assert all(same_bytes(dst[i], src[i]) for i in range(40))
+        # Unregistered memory (staged on Mooncake) reads the same values, byte for byte.
+        loose = [torch.empty(LAYOUT.block_shape, dtype=LAYOUT.torch_dtype) for _ in keys]
+        assert reader.get(keys, loose) == [True] * 40
+        assert all(same_bytes(loose[i], src[i]) for i in range(40))
+        # And a staged put reads back through the direct path.
+        more = [key_of("staged", i) for i in range(3)]
+        assert writer.put(more, [block_for(k, LAYOUT) for k in more]) == [True] * 3
+        assert reader.get(more, list(dst[:3])) == [True] * 3
+        assert all(same_bytes(dst[i], block_for(k, LAYOUT)) for i, k in enumerate(more))
+        s = reader.stats()
+        if s["backend"] == "mooncake":
+            assert s["direct_calls"] >= 3 and s["staged_calls"] >= 1
+            assert s["registered_bytes"] == dst.numel() * dst.element_size()
+        assert s["hits"] == 83 and s["bad_values"] == 0
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_odd_values_in_a_direct_batch_get_their_own_verdicts(pool):
+    tier = tier_for(pool.url)
+    dst = pool_tensor(6)
+    tier.register(dst)
+    try:
+        keys = [key_of("odd", i) for i in range(6)]
+        good = [block_for(k, LAYOUT) for k in keys]
+        assert tier.put(keys[:2], good[:2]) == [True, True]
+        codec = ValueCodec(LAYOUT)
+        whole = bytearray(codec.value_bytes)
+        codec.encode_into(keys[2], good[2], memoryview(whole))
+        pool.plant(tier.key_name(keys[2]), bytes(whole[:-7]))                     # truncated
+        pool.plant(tier.key_name(keys[3]), bytes(whole) + b"more")               # longer than a block
+        pool.plant(tier.key_name(keys[4]), b"x" * 5)                             # shorter than a trailer
+        # keys[5] is missing
+        assert tier.get(keys, list(dst)) == [True, True, False, False, False, False]
+        assert same_bytes(dst[0], good[0]) and same_bytes(dst[1], good[1])
+        s = tier.stats()
+        assert s["bad_values"] == 3 and s["misses"] == 4
+        # The connection and client are still good for the next batch.
+        assert tier.get(keys[:2], list(dst[:2])) == [True, True]
+    finally:
+        tier.close()
+
+
+def test_redis_reader_survives_error_replies_and_reuses_its_connection(redis_server):
+    tier = tier_for(redis_server.url)
+    try:
+        keys = [key_of("wrongtype", i) for i in range(3)]
+        assert tier.put([keys[0], keys[2]], [block_for(k, LAYOUT) for k in (keys[0], keys[2])]) == [True, True]
+        c = redis_server.client()
+        c.rpush(tier.key_name(keys[1]), b"a list, not a string")  # GET answers -WRONGTYPE
+        c.close()
+        dst = [torch.empty(LAYOUT.block_shape, dtype=LAYOUT.torch_dtype) for _ in keys]
+        for _ in range(3):  # the same pooled connection serves every round
+            assert tier.get(keys, dst) == [True, False, True]
+            assert same_bytes(dst[0], block_for(keys[0], LAYOUT)) and same_bytes(dst[2], block_for(keys[2], LAYOUT))
+        assert tier.stats()["failed_calls"] == 0
+        # A strided destination (a slice of a bigger pool) is served through a bounce block.
+        layers, *rest = LAYOUT.block_shape
+        wide = torch.zeros((layers, 2, *rest), dtype=LAYOUT.torch_dtype)
+        assert tier.get([keys[0]], [wide[:, 1]]) == [True]
+        assert same_bytes(wide[:, 1].contiguous(), block_for(keys[0], LAYOUT)) and not wide[:, 0].any()
+    finally:
+        tier.close()
+
+
+def test_a_hung_mooncake_node_ends_a_direct_get_in_bounded_time(mooncake_pool):
+    # SIGSTOP the process holding the pool's memory: the transfer stalls mid-call. The direct get
+    # must return (Mooncake's own progress timeout, set from l4.timeout_ms) with False, and after
+    # it returned nothing may land in the block any more.
+    tier = tier_for(mooncake_pool.url, timeout_ms=500, breaker_failures=100)
+    dst = pool_tensor(4)
+    tier.register(dst)
+    try:
+        keys = [key_of("hang", i) for i in range(4)]
+        assert tier.put(keys, [block_for(k, LAYOUT) for k in keys]) == [True] * 4
+        mooncake_pool.pool.pause()
+        try:
+            t0 = time.monotonic()
+            assert tier.get(keys, list(dst)) == [False] * 4
+            assert time.monotonic() - t0 < 30
+            dst.view(torch.int16).fill_(7)
+            after = dst.clone()
+            time.sleep(1.0)
+        finally:
+            mooncake_pool.pool.resume()
+        time.sleep(1.0)
+        assert torch.equal(dst.view(torch.int16), after.view(torch.int16)), "a late transfer wrote into the block"
+    finally:
+        tier.close()
+
+
+def test_direct_calls_from_many_threads(pool):
+    tier = tier_for(pool.url)
+    n, threads = 16, 4
+    src, dst = pool_tensor(n * threads), pool_tensor(n * threads)
+    tier.register(src)
+    tier.register(dst)
+    keys = [key_of("threads", i) for i in range(n * threads)]
+    for i, k in enumerate(keys):
+        src[i].copy_(block_for(k, LAYOUT))
+    errors: list[BaseException] = []
+
+    def work(t: int) -> None:
+        try:
+            part = slice(t * n, (t + 1) * n)
+            for _ in range(3):
+                assert tier.put(keys[part], list(src[part])) == [True] * n
+                assert tier.get(keys[part], list(dst[part])) == [True] * n
+        except BaseException as exc:  # surfaced below
+            errors.append(exc)
+
+    try:
+        workers = [threading.Thread(target=work, args=(t,)) for t in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(60)
+        assert not errors, errors
+        assert torch.equal(dst.view(torch.int16), src.view(torch.int16))
+    finally:
+        tier.close()
+
+
+def test_trailer_is_last_and_payload_first_on_the_wire(redis_server):
+    # The stored value's first bytes are the block itself: a reader can land them anywhere as is.
+    tier = tier_for(redis_server.url)
+    try:
+        key = key_of("wire")
+        block = block_for(key, LAYOUT)
+        assert tier.put([key], [block]) == [True]
+        c = redis_server.client()
+        raw = c.get(tier.key_name(key))
+        c.close()
+        assert len(raw) == LAYOUT.block_bytes + TRAILER_BYTES
+        assert raw[:LAYOUT.block_bytes] == block.view(torch.uint8).reshape(-1).numpy().tobytes()
+        assert raw[LAYOUT.block_bytes:LAYOUT.block_bytes + 4] == b"TKV4"
+    finally:
+        tier.close()
