@@ -337,12 +337,11 @@ class RemoteTier:
 
     def _cpu_blocks(self, what: str, blocks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The blocks as contiguous CPU tensors of the layout's size (a bounce copy where they are not)."""
-        out = []
+        out, size = [], self.codec.payload_bytes
         for b in blocks:
-            if b.numel() * b.element_size() != self.codec.payload_bytes:
-                raise ValueError(f"l4 {what}: a {b.numel() * b.element_size()}-byte block for a layout of "
-                                 f"{self.codec.payload_bytes} bytes")
-            out.append(b if b.device.type == "cpu" and b.is_contiguous() else torch.empty(b.shape, dtype=b.dtype))
+            if b.nbytes != size:
+                raise ValueError(f"l4 {what}: a {b.nbytes}-byte block for a layout of {size} bytes")
+            out.append(b if b.is_cpu and b.is_contiguous() else torch.empty(b.shape, dtype=b.dtype))
         return out
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],

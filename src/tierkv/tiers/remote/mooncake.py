@@ -247,7 +247,7 @@ class MooncakeBackend:
         """The blocks' addresses when every one lies in registered memory, else None."""
         ptrs = [b.data_ptr() for b in blocks]
         nbytes = blocks[0].numel() * blocks[0].element_size() if blocks else 0
-        return ptrs if all(self._regions.covers(q, nbytes) for q in ptrs) else None
+        return ptrs if self._regions.covers(ptrs, nbytes) else None
 
     def _direct_call(self, fn: Callable, *args):
         """``fn(page, *args)`` on this thread with one borrowed trailer page.
@@ -346,15 +346,10 @@ class MooncakeBackend:
         codes = self._store.batch_get_into_multi_buffers(names, *self._pieces(page, ptrs, nbytes))
         if codes and all(c < 0 and c != _OBJECT_NOT_FOUND for c in codes):
             raise RemoteUnavailable(f"get failed with codes {sorted(set(codes))}")
-        out: list[tuple[int | None, bytes]] = []
-        for j, code in enumerate(codes):
-            if code == nbytes + TRAILER_BYTES:
-                out.append((code, self._tails.slot(page, j)))
-            elif code == _OBJECT_NOT_FOUND:
-                out.append((-1, b""))
-            else:
-                out.append((None, b""))
-        return out
+        tails = self._tails.slots(page, len(codes))
+        want = nbytes + TRAILER_BYTES
+        return [(code, tail) if code == want else (-1, b"") if code == _OBJECT_NOT_FOUND else (None, b"")
+                for code, tail in zip(codes, tails)]
 
     def _read_staged(self, names: list[str], blocks: list[torch.Tensor]) -> list[tuple[int, bytes]]:
         """Whole values into staging slots on the Deadline worker; back on this thread (gate still held),

@@ -47,11 +47,15 @@ class Regions:
         with self._lock:
             return [(s, e - s) for s, e in zip(self._starts, self._ends)]
 
-    def covers(self, ptr: int, nbytes: int) -> bool:
-        """True when ``[ptr, ptr + nbytes)`` lies inside one registered region."""
+    def covers(self, ptrs: list[int], nbytes: int) -> bool:
+        """True when every ``[ptr, ptr + nbytes)`` lies inside one registered region."""
         with self._lock:
-            i = bisect.bisect(self._starts, ptr) - 1
-            return i >= 0 and ptr + nbytes <= self._ends[i]
+            starts, ends = self._starts, self._ends
+            for ptr in ptrs:
+                i = bisect.bisect(starts, ptr) - 1
+                if i < 0 or ptr + nbytes > ends[i]:
+                    return False
+            return True
 
 
 class TrailerPages:
@@ -81,7 +85,8 @@ class TrailerPages:
     def give_back(self, offset: int) -> None:
         self._free.put(offset // self.page_bytes)
 
-    def slot(self, offset: int, j: int) -> bytes:
-        """A copy of trailer slot ``j`` of the page at ``offset``."""
-        return bytes(self.view[offset + j * TRAILER_BYTES:offset + (j + 1) * TRAILER_BYTES])
+    def slots(self, offset: int, n: int) -> list[bytes]:
+        """Copies of the first ``n`` trailer slots of the page at ``offset``."""
+        page = bytes(self.view[offset:offset + n * TRAILER_BYTES])
+        return [page[j * TRAILER_BYTES:(j + 1) * TRAILER_BYTES] for j in range(n)]
 
