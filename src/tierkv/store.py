@@ -101,7 +101,9 @@ class TierKVStore(StoreWrites):
             self.l3 = DiskTier(cfg.l3.path, layout, n3, meta, cfg.l3.direct_io, self._on_failure)
         self.l4 = self._open_remote() if cfg.l4.url else None
         self._l4_lock = threading.Lock()
-        self._l4_queued = 0
+        self._l4_queued = 0  # copies taken for L4 and not yet sent (pending or in the put running now)
+        self._l4_pending: list = []  # (key, copy, lineage) waiting for the IO thread
+        self._l4_sending = False  # an IO-thread job is draining _l4_pending
         self._tiers = [self.l1, self.l2, self.l3]
         device = self.l1.device if self.l1 is not None else torch.device("cpu")
         measured = calibrate(layout.block_bytes, layout.block_size, device=str(device),
@@ -136,6 +138,9 @@ class TierKVStore(StoreWrites):
         self.metrics.failure(tier, reason, n, detail)
 
     def _rebuild_from_l3(self) -> None:
+        # A bad record never fails the start: the tier dropped (and counted) the malformed ones
+        # and those past the end of its slot file when it opened, and records() skips any
+        # written since and ends a walk LMDB cannot finish (counted) instead of raising.
         records = sorted(self.l3.records(), key=lambda r: r.depth)
         with self._lock:
             for rec in records:

@@ -119,10 +119,12 @@ class StoreWrites:
 
 
     def _put_l4_async(self, key: BlockHash, src: torch.Tensor, lineage: list[Lineage]) -> bool:
-        """Queue a copy of ``src`` for L4 on the IO thread; False (counted) when too many are queued.
+        """Queue a copy of ``src`` for L4; False (counted) when too many are queued.
 
         The bytes are copied first, so the source slot may be reused at once.
-        L4 failures are counted by the tier and never raise into the caller.
+        The IO thread sends whatever has queued meanwhile in one batched put
+        (a demotion storm becomes a few calls, not one per block). L4
+        failures are counted by the tier and never raise into the caller.
         """
         with self._l4_lock:
             if self._l4_queued >= L4_MAX_QUEUED:
@@ -134,20 +136,31 @@ class StoreWrites:
             copy_block(copy, src)
         else:
             copy = src.to("cpu")
+        with self._l4_lock:
+            self._l4_pending.append((key, copy, lineage[0]))
+            start, self._l4_sending = not self._l4_sending, True
+        if start:
+            self.transfer.io(self._send_queued_l4)
+        return True
 
-        def put() -> None:
+    def _send_queued_l4(self) -> None:
+        """IO thread: send the queued L4 copies, batch after batch, until none is left."""
+        while True:
+            with self._l4_lock:
+                batch, self._l4_pending = self._l4_pending, []
+                if not batch:
+                    self._l4_sending = False
+                    return
+            keys, blocks, lineage = (list(x) for x in zip(*batch))
             try:
-                ok = self.l4.put([key], [copy], lineage)[0]
+                ok = self.l4.put(keys, blocks, lineage)
             except Exception as exc:  # a tier bug must not kill the IO thread: count it as a miss
-                self._on_failure("l4", "error", 1, repr(exc))
-                ok = False
+                self._on_failure("l4", "error", len(batch), repr(exc))
+                ok = [False] * len(batch)
             finally:
                 with self._l4_lock:
-                    self._l4_queued -= 1
-            self.metrics.add("bytes", ("l4", "write"), self.layout.block_bytes if ok else 0)
-
-        self.transfer.io(put)
-        return True
+                    self._l4_queued -= len(batch)
+            self.metrics.add("bytes", ("l4", "write"), sum(ok) * self.layout.block_bytes)
 
     def _copies_for_l4(self, entries: Sequence[Entry]) -> list[tuple[BlockHash, torch.Tensor, Lineage]]:
         """Caller holds the lock: CPU copies of ``entries`` for a write-through L4 put (none without L4)."""

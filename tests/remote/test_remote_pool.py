@@ -291,6 +291,7 @@ def test_l4_put_queue_is_capped_and_drains_after_a_hang(redis_server, tmp_path, 
     try:
         keys = save_prompt(node, prompt(13, n, layout))
         drain(node)  # connected (the save's lookup asked L4), nothing queued
+        calls = node.stats()["l4"]["calls"]
         redis_server.pause()
         try:
             assert node.persist(keys, Tier.L4) == L4_MAX_QUEUED  # no exception: the excess is dropped
@@ -304,6 +305,8 @@ def test_l4_put_queue_is_capped_and_drains_after_a_hang(redis_server, tmp_path, 
         marker.result(timeout=30)
         s = node.stats()
         assert s["failures"] == {"l4_put_dropped": extra}  # the queued ones neither timed out nor failed
+        # Two batched puts: the one that waited on the hung server, then everything queued meanwhile.
+        assert s["l4"]["calls"] - calls == 2
         assert s["bytes"]["l4_write"] == L4_MAX_QUEUED * layout.block_bytes
         assert node.l4.contains(keys) == [True] * L4_MAX_QUEUED + [False] * extra
         dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in range(2)]
