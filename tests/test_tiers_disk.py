@@ -166,13 +166,16 @@ def test_truncated_slot_file_gives_counted_misses_then_heals_on_reopen(tmp_path)
     assert ok == [slots[k] < 3 for k in keys] and ok.count(True) == 3
     assert hook.count("corrupt") == 3
     tier.close()
-    # Reopened: the file is grown back to capacity; zeros never pass a checksum.
+    # Reopened: the records past the end are dropped (and counted) at open, and the file is
+    # grown back to capacity for new blocks.
     os.truncate(tmp_path / "l3" / "slots.bin", 4096)
     hook2 = Hook()
     again = DiskTier(tmp_path / "l3", LAYOUT, 8, on_failure=hook2)
+    assert hook2.count("corrupt") == 2 and again.used == 1
     assert os.path.getsize(again.path / "slots.bin") == 8 * again.stride
     assert read_ok(again, keys) == [slots[k] == 0 for k in keys]
     assert hook2.count("corrupt") == 2
+    assert put_keys(again, ["n1", "n2"]) and again.used == 3
     again.close()
 
 

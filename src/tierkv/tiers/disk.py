@@ -11,15 +11,24 @@ slot allocation needs no other coordination, and a crash (even SIGKILL) leaves
 at worst a slot whose bytes nobody points at. Every read verifies a checksum
 bound to the key; a bad block is a miss, is removed and is counted. Readers
 never block (LMDB MVCC), and any number of processes may open one directory.
+
+Damage found at open never stops the store: damaged files are moved into
+``damaged-<UTC time>/`` beside them and an empty L3 starts in their place;
+records whose block cannot be in the slot file are dropped. Both are counted.
 """
 
 from __future__ import annotations
 
+import ast
 import errno
+import fcntl
 import logging
 import mmap
 import os
+import signal
 import struct
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -36,6 +45,11 @@ log = logging.getLogger("tierkv")
 ALIGN = 4096
 _REC = struct.Struct("<IIQd")  # slot, depth, checksum, created; parent hash follows (0 or 16 bytes)
 _SLOT = struct.Struct(">I")    # free-list keys sort by slot number
+# LMDB errors that mean the index file itself is damaged (not a lock, a limit or a permission).
+_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError,
+           lmdb.IncompatibleError, lmdb.PanicError, lmdb.BadValsizeError)
+_PROBE_TIMEOUT_S = 120
+_CRASHES = {signal.SIGBUS, signal.SIGSEGV, signal.SIGABRT, signal.SIGILL, signal.SIGFPE}
 
 FailureHook = Callable[[str, str, int, str], None]  # (tier, reason, blocks, detail)
 
@@ -53,49 +67,118 @@ class Record:
         self.parent = bytes(raw[_REC.size:]) or None
 
 
+def _parse(key: bytes, raw: bytes) -> Record | None:
+    """The record stored under ``key``, or None when ``raw`` cannot be one (a damaged index)."""
+    extra = len(raw) - _REC.size
+    if extra not in (0, 16) or (extra and bytes(raw[_REC.size:]) == bytes(key)):
+        return None
+    return Record(bytes(key), raw)
+
+
+class _Damaged(Exception):
+    """L3 files that cannot be used as they are: (reason, blocks lost or 0, what is wrong)."""
+
+    def __init__(self, reason: str, lost: int, what: str) -> None:
+        super().__init__(what)
+        self.reason, self.lost, self.what = reason, lost, what
+
+
 class DiskTier:
     name = "l3"
 
     def __init__(self, path: str | os.PathLike, layout: KVLayout, num_blocks: int,
                  meta: dict[str, str] | None = None, direct_io: bool = True,
                  on_failure: FailureHook | None = None, create: bool = True) -> None:
+        """Open (or create) the L3 directory ``path``; openers in any process take turns on ``path/open.lock``.
+
+        Damaged files (an index LMDB rejects, or that kills the process reading it; unreadable
+        meta records; a slot file that is not a file) are moved into ``path/damaged-<UTC time>/``
+        (never deleted) and an empty L3 starts in their place, reported once through
+        ``on_failure`` as ("l3", "damaged_index" or "damaged_slots", blocks lost or 0). With
+        ``create=False`` (the offline tools) damage raises instead. Records whose bytes cannot
+        be in the slot file (malformed, or past its end) are dropped and counted as corrupt.
+        Configuration errors raise ValueError naming ``l3.path``: a path that cannot be a
+        directory, a directory of another layout, one already open in this process.
+        """
         self.path = Path(path).expanduser()
         self.layout = layout
         self.block_bytes = layout.block_bytes
         self.stride = _round_up(layout.block_bytes)
+        self._hooked = on_failure is not None
         self._on_failure = on_failure or (lambda *a: None)
         if not create and not (self.path / "index").exists():
             raise FileNotFoundError(f"l3.path: no tierkv L3 directory at {self.path}")
-        self.path.mkdir(parents=True, exist_ok=True)
         try:
-            self._env = lmdb.open(str(self.path / "index"), map_size=max(1 << 30, num_blocks * 512),
-                                  max_dbs=4, max_readers=512, subdir=True, lock=True)
-        except lmdb.Error as exc:  # e.g. a second store on this directory in one process (LMDB forbids it)
-            raise ValueError(f"l3.path: cannot open the index under {self.path}: {exc}") from None
+            self.path.mkdir(parents=True, exist_ok=True)
+            lock = os.open(self.path / "open.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            raise ValueError(f"l3.path: {self.path} cannot be the L3 directory ({exc})") from None
         try:
-            self._blocks = self._env.open_db(b"blocks")
-            self._free = self._env.open_db(b"free")
-            self._meta = self._env.open_db(b"meta")
-            self._capacity = self._init_meta(num_blocks, meta or {})
-        except lmdb.Error as exc:  # a damaged index: say where, at start, instead of a raw LMDB error
-            self._env.close()
-            raise ValueError(f"l3.path: the index under {self.path} is unreadable ({exc}); "
-                             "move the directory away or use another l3.path") from None
-        self.direct = self._open_file(direct_io)
+            # Held while checking, moving aside and creating, so that two processes starting on a
+            # damaged directory move it once and the second finds the first one's fresh L3.
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                self._open(num_blocks, meta or {}, direct_io)
+            except _Damaged as damage:
+                if not create:
+                    raise ValueError(f"l3.path: {self.path} is damaged ({damage.what}); "
+                                     "a store started on it moves the damaged files aside") from None
+                self._set_aside(damage)
+                try:
+                    self._open(num_blocks, meta or {}, direct_io)
+                except _Damaged as again:
+                    raise ValueError(f"l3.path: a fresh L3 under {self.path} is unusable ({again.what})") from None
+        finally:
+            os.close(lock)
         self._local = threading.local()  # per-thread page-aligned bounce buffer
 
     # -- setup ----------------------------------------------------------------
 
-    def _init_meta(self, num_blocks: int, meta: dict[str, str]) -> int:
+    def _open(self, num_blocks: int, meta: dict[str, str], direct_io: bool) -> None:
+        """Open index and slot file. Raises _Damaged for damaged files, ValueError for configuration."""
+        index, slots = self.path / "index", self.path / "slots.bin"
+        if slots.exists() and not slots.is_file():
+            raise _Damaged("damaged_slots", 0, "slots.bin is not a regular file")
+        data = index / "data.mdb"
+        if index.exists() and (not index.is_dir() or (data.exists() and not data.is_file())):
+            raise _Damaged("damaged_index", 0, "index is not an LMDB directory")
+        if data.is_file() and data.stat().st_size == 0 and _has_data(slots):  # LMDB would start it afresh
+            raise _Damaged("damaged_index", 0, "index/data.mdb is empty but slots.bin holds data")
+        _probe_index(index)
+        self._env, self._fd = None, None
+        try:
+            self._blocks = None
+            self._env = lmdb.open(str(index), map_size=max(1 << 30, num_blocks * 512),
+                                  max_dbs=4, max_readers=512, subdir=True, lock=True)
+            self._blocks = self._env.open_db(b"blocks")
+            self._free = self._env.open_db(b"free")
+            self._meta = self._env.open_db(b"meta")
+            self._capacity = self._init_meta(num_blocks, meta, slots)
+            self.direct = self._open_file(slots, direct_io)
+            self._drop_unusable()
+            self._size_file()
+        except _DAMAGE as exc:
+            lost = self._entries()
+            self._close_files()
+            raise _Damaged("damaged_index", lost, f"{type(exc).__name__}: {exc}") from None
+        except (lmdb.Error, OSError) as exc:  # e.g. a second store on this directory in one process
+            self._close_files()
+            raise ValueError(f"l3.path: cannot open the L3 files under {self.path}: {exc}") from None
+        except BaseException:
+            self._close_files()
+            raise
+
+    def _init_meta(self, num_blocks: int, meta: dict[str, str], slots: Path) -> int:
         with self._env.begin(write=True) as txn:
+            entries = txn.stat(self._blocks)["entries"]
             found = txn.get(b"layout_fingerprint", db=self._meta)
-            if found is not None and found.decode() != self.layout.fingerprint:
-                raise ValueError(
-                    f"l3.path: {self.path} holds blocks of layout {found.decode()}, this store's layout is "
-                    f"{self.layout.fingerprint}; use another l3.path or clear it with `tierkv evict --all`"
-                )
-            old = txn.get(b"capacity", db=self._meta)
-            capacity = max(num_blocks, int(old) if old else 0)
+            if found is None and (entries or _has_data(slots)):
+                raise _Damaged("damaged_index", entries, "the index has lost its meta records "
+                               f"but {'holds blocks' if entries else 'slots.bin holds data'}")
+            if found is not None and found != self.layout.fingerprint.encode():
+                raise self._foreign(found, txn.get(b"layout", db=self._meta), entries)
+            capacity = max(num_blocks, _count(txn, self._meta, b"capacity", entries))
+            _count(txn, self._meta, b"next_slot", entries)
             txn.put(b"layout_fingerprint", self.layout.fingerprint.encode(), db=self._meta)
             txn.put(b"layout", repr(self.layout.to_dict()).encode(), db=self._meta)
             txn.put(b"capacity", str(capacity).encode(), db=self._meta)
@@ -104,18 +187,33 @@ class DiskTier:
                     txn.put(k.encode(), str(v).encode(), db=self._meta)
         return capacity
 
-    def _open_file(self, direct_io: bool) -> bool:
-        path = str(self.path / "slots.bin")
+    def _foreign(self, found: bytes, described: bytes | None, entries: int) -> Exception:
+        """Another layout's directory (a configuration error), or meta records too damaged to say."""
+        try:
+            theirs = KVLayout(**ast.literal_eval(described.decode()))
+            consistent = theirs.fingerprint.encode() == found
+        except (AttributeError, ValueError, TypeError, SyntaxError, RecursionError):
+            consistent = False
+        if not consistent:
+            return _Damaged("damaged_index", entries, f"meta records 'layout_fingerprint' {found[:32]!r} and "
+                            f"'layout' {(described or b'')[:80]!r} are unreadable or disagree")
+        return ValueError(
+            f"l3.path: {self.path} holds blocks of layout {found.decode()}, this store's layout is "
+            f"{self.layout.fingerprint}; use another l3.path or clear it with `tierkv evict --all`"
+        )
+
+    def _open_file(self, path: Path, direct_io: bool) -> bool:
         flags = os.O_RDWR | os.O_CREAT
-        direct = False
         if direct_io and hasattr(os, "O_DIRECT"):
             try:
                 self._fd = os.open(path, flags | os.O_DIRECT, 0o644)
-                direct = True
+                return True
             except OSError:
                 log.warning("tierkv l3: O_DIRECT refused on %s (tmpfs?); using buffered IO", self.path)
-        if not direct:
-            self._fd = os.open(path, flags, 0o644)
+        self._fd = os.open(path, flags, 0o644)
+        return False
+
+    def _size_file(self) -> None:
         size = self._capacity * self.stride
         if os.fstat(self._fd).st_size < size:
             # A full disk or a file-size limit must not stop the store: puts past the
@@ -126,7 +224,67 @@ class DiskTier:
             except OSError as exc:
                 log.warning("tierkv l3: could not size %s to %d bytes (%s); puts past its end will fail",
                             self.path / "slots.bin", size, exc)
-        return direct
+
+    def _drop_unusable(self) -> None:
+        """Drop the records whose block cannot be in the slot file: malformed, or past its end."""
+        size = os.fstat(self._fd).st_size
+        suspects = []
+        with self._env.begin() as txn:
+            for key, raw in txn.cursor(db=self._blocks):
+                rec = _parse(key, raw)
+                if rec is None or rec.slot * self.stride + self.block_bytes > size:
+                    suspects.append((key, raw, rec))
+        if not suspects:
+            return
+        size = os.fstat(self._fd).st_size  # another process's block lands before its record does
+        bad = [s for s in suspects if s[2] is None or s[2].slot * self.stride + self.block_bytes > size]
+        if bad:
+            malformed = sum(rec is None for _, _, rec in bad)
+            self._drop_records(bad)
+            self._on_failure("l3", "corrupt", len(bad), f"{self.path}: {len(bad) - malformed} records point past "
+                             f"the end of slots.bin ({size} bytes), {malformed} are malformed; dropped")
+
+    def _set_aside(self, damage: _Damaged) -> None:
+        """Move the damaged files into a new ``damaged-<UTC time>`` directory and report it once."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        moved = []
+        dest, n = self.path / f"damaged-{stamp}", 1
+        try:
+            while True:
+                try:
+                    dest.mkdir()
+                    break
+                except FileExistsError:  # a second move within the same second
+                    n += 1
+                    dest = self.path / f"damaged-{stamp}-{n}"
+            for name in ("index", "slots.bin"):
+                if os.path.lexists(self.path / name):
+                    os.rename(self.path / name, dest / name)
+                    moved.append(name)
+        except OSError as exc:
+            raise ValueError(f"l3.path: {self.path} is damaged ({damage.what}) and its files cannot be "
+                             f"moved aside ({exc})") from None
+        detail = f"{self.path}: {damage.what}; moved {' and '.join(moved)} to {dest}, starting with an empty L3"
+        if not self._hooked:
+            log.warning("tierkv l3 %s: %s", damage.reason, detail)
+        self._on_failure("l3", damage.reason, damage.lost, detail)
+
+    def _entries(self) -> int:
+        """Blocks the index lists, or 0 when it cannot say."""
+        if self._env is None or self._blocks is None:
+            return 0
+        try:
+            with self._env.begin() as txn:
+                return txn.stat(self._blocks)["entries"]
+        except lmdb.Error:
+            return 0
+
+    def _close_files(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        if self._env is not None:
+            self._env.close()
 
     def meta(self) -> dict[str, str]:
         with self._env.begin() as txn:
@@ -145,8 +303,12 @@ class DiskTier:
             return txn.stat(self._blocks)["entries"]
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
-        with self._env.begin() as txn:
-            return [txn.get(k, db=self._blocks) is not None for k in keys]
+        try:
+            with self._env.begin() as txn:
+                return [txn.get(k, db=self._blocks) is not None for k in keys]
+        except lmdb.Error as exc:
+            self._on_failure("l3", "index", len(keys), f"{self.path}: {exc}")
+            return [False] * len(keys)
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
             lineage: Sequence[Lineage] | None = None) -> list[bool]:
@@ -192,14 +354,21 @@ class DiskTier:
 
         Aligned destinations on consecutive slots are read with one preadv per run.
         """
-        with self._env.begin() as txn:
-            recs = [txn.get(k, db=self._blocks) for k in keys]
         out = [False] * len(keys)
-        direct, staged, bad = [], [], []
+        try:
+            with self._env.begin() as txn:
+                recs = [txn.get(k, db=self._blocks) for k in keys]
+        except lmdb.Error as exc:
+            self._on_failure("l3", "index", len(keys), f"{self.path}: {exc}")
+            return out
+        direct, staged, bad, malformed = [], [], [], []
         for i, (key, raw) in enumerate(zip(keys, recs)):
             if raw is None:
                 continue
-            rec = Record(key, raw)
+            rec = _parse(key, raw)
+            if rec is None:
+                malformed.append((key, raw, None))
+                continue
             view = self._aligned(dst[i]) if rec.slot < self._capacity else None
             if view is None:
                 staged.append((rec, i))
@@ -230,6 +399,9 @@ class DiskTier:
         if bad:
             self._on_failure("l3", "corrupt", len(bad), f"{self.path}: checksum mismatch or short read")
             self._remove_if_unchanged(bad)
+        if malformed:
+            self._on_failure("l3", "corrupt", len(malformed), f"{self.path}: malformed records")
+            self._drop_records(malformed)
         return out
 
     def remove(self, keys: Sequence[bytes]) -> None:
@@ -237,18 +409,27 @@ class DiskTier:
             with self._env.begin(write=True) as txn:
                 for key in keys:
                     raw = txn.pop(key, db=self._blocks)
-                    if raw is not None:
-                        txn.put(_SLOT.pack(_REC.unpack_from(raw)[0]), b"", db=self._free)
+                    rec = _parse(key, raw) if raw is not None else None
+                    if rec is not None:  # a malformed record's slot number means nothing
+                        txn.put(_SLOT.pack(rec.slot), b"", db=self._free)
         except lmdb.Error as exc:
             self._on_failure("l3", "index", len(keys), f"{self.path}: {exc}")
 
     # -- inspection -----------------------------------------------------------
 
     def records(self) -> Iterator[Record]:
-        """Every block record, in key order (a consistent snapshot)."""
-        with self._env.begin() as txn:
-            for key, raw in txn.cursor(db=self._blocks):
-                yield Record(bytes(key), bytes(raw))
+        """Every well-formed block record, in key order (a consistent snapshot).
+
+        Never raises for a damaged index: a walk that LMDB cannot finish ends early, counted.
+        """
+        try:
+            with self._env.begin() as txn:
+                for key, raw in txn.cursor(db=self._blocks):
+                    rec = _parse(key, raw)
+                    if rec is not None:
+                        yield rec
+        except lmdb.Error as exc:
+            self._on_failure("l3", "index", 0, f"{self.path}: the record walk stopped: {exc}")
 
     def verify(self, repair: bool = False) -> tuple[int, list[bytes]]:
         """Read every block and check it; returns (blocks checked, bad keys). ``repair`` removes the bad."""
@@ -272,10 +453,7 @@ class DiskTier:
         return bytes(as_bytes(buf)) if self.get([key], [buf])[0] else None
 
     def close(self) -> None:
-        if getattr(self, "_fd", None) is not None:
-            os.close(self._fd)
-            self._fd = None
-            self._env.close()
+        self._close_files()
 
     # -- internals ------------------------------------------------------------
 
@@ -367,6 +545,21 @@ class DiskTier:
                 dst.copy_(staged.view(dst.dtype).view(dst.shape))
         return True
 
+    def _drop_records(self, items: list[tuple[bytes, bytes, Record | None]]) -> None:
+        """Delete (key, raw value, parsed record) entries still stored unchanged; free their slots
+        when the record names one that is in use (below next_slot and the capacity)."""
+        try:
+            with self._env.begin(write=True) as txn:
+                raw_next = txn.get(b"next_slot", db=self._meta)
+                limit = min(self._capacity, int(raw_next) if raw_next else 0)
+                for key, raw, rec in items:
+                    if txn.get(key, db=self._blocks) == raw:
+                        txn.delete(key, db=self._blocks)
+                        if rec is not None and rec.slot < limit:
+                            txn.put(_SLOT.pack(rec.slot), b"", db=self._free)
+        except lmdb.Error as exc:
+            self._on_failure("l3", "index", len(items), f"{self.path}: {exc}")
+
     def _remove_if_unchanged(self, recs: list[Record]) -> None:
         try:
             with self._env.begin(write=True) as txn:
@@ -377,6 +570,79 @@ class DiskTier:
                         txn.put(_SLOT.pack(rec.slot), b"", db=self._free)
         except lmdb.Error as exc:
             self._on_failure("l3", "index", len(recs), f"{self.path}: {exc}")
+
+
+def _has_data(path: Path) -> bool:
+    return path.is_file() and path.stat().st_size > 0
+
+
+def _count(txn, db, name: bytes, entries: int) -> int:
+    """A non-negative integer meta record (0 when absent); _Damaged when it is not one."""
+    raw = txn.get(name, db=db)
+    try:
+        value = int(raw) if raw is not None else 0
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise _Damaged("damaged_index", entries, f"meta record {name.decode()!r} is unreadable: {raw[:32]!r}")
+    return value
+
+
+# LMDB maps the index and trusts it: a truncated file kills the reader with SIGBUS, a garbled
+# page can abort() it on a failed assertion. So a child process walks the whole index first;
+# only if it survives does this process map the file.
+_PROBE = r"""
+import os, sys, lmdb
+path = sys.argv[1]
+try:
+    env = lmdb.open(path, readonly=True, max_dbs=4, subdir=True, lock=True)
+    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+    have = os.path.getsize(os.path.join(path, "data.mdb"))
+    if have < need:
+        print(f"index/data.mdb is truncated: {have} bytes, its pages end at byte {need}", file=sys.stderr)
+        sys.exit(3)
+    with env.begin() as txn:
+        for name in (b"blocks", b"free", b"meta"):
+            try:
+                db = env.open_db(name, txn=txn, create=False)
+            except lmdb.NotFoundError:
+                continue
+            if name == b"blocks":
+                print(txn.stat(db)["entries"], flush=True)
+            for _ in txn.cursor(db=db):
+                pass
+except lmdb.Error as exc:
+    print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
+    sys.exit(2)
+"""
+
+
+def _probe_index(index: Path) -> None:
+    """Walk the LMDB index under ``index`` in a child process; raise _Damaged if that fails or kills it."""
+    data = index / "data.mdb"
+    if not data.is_file() or data.stat().st_size == 0:
+        return
+    if getattr(sys, "frozen", False) or not Path(sys.executable or "-").name.startswith(("python", "pypy")):
+        # A frozen app's executable is the app, not an interpreter: open in-process, as checked as LMDB can.
+        log.info("tierkv l3: no Python interpreter to check %s in; opening it unchecked", index)
+        return
+    try:
+        res = subprocess.run([sys.executable, "-c", _PROBE, str(index)], capture_output=True, text=True,
+                             timeout=_PROBE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise _Damaged("damaged_index", 0, f"walking the index took over {_PROBE_TIMEOUT_S} s") from None
+    except OSError as exc:
+        log.info("tierkv l3: cannot start the index check (%s); opening %s unchecked", exc, index)
+        return
+    lines = res.stdout.split()
+    lost = int(lines[0]) if lines and lines[0].isdigit() else 0
+    why = (res.stderr.strip().splitlines() or [""])[-1]
+    if -res.returncode in _CRASHES:  # not SIGTERM or SIGKILL: those come from outside, not from the file
+        name = signal.Signals(-res.returncode).name
+        raise _Damaged("damaged_index", lost, f"reading index/data.mdb killed a process ({name})")
+    damage = {cls.__name__ for cls in _DAMAGE}
+    if res.returncode == 3 or (res.returncode == 2 and why.split(":")[0] in damage):
+        raise _Damaged("damaged_index", lost, why)
 
 
 _MAX_RUN = 64  # blocks per preadv/pwritev (well under IOV_MAX; 32 MiB at 512 KiB blocks)
