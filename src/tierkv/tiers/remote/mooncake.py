@@ -183,8 +183,10 @@ class MooncakeBackend:
             raise RemoteUnavailable(f"master {self.opts.master} unreachable: {exc}") from None
 
     def _setup(self) -> None:
-        """Worker thread: connect and register the staging buffer. A connect that finishes after
-        its caller gave up is still adopted, so no connected client is ever left behind."""
+        """Worker thread: connect, register the staging buffer and trailer pages, then the caller
+        memory passed to ``register`` (a region that fails is dropped: its blocks go staged).
+        A connect that finishes after its caller gave up is still adopted, so no connected
+        client is ever left behind."""
         store = self._cls()
         o = self.opts
         rc = store.setup(o.local, o.metadata, o.segment, o.buffer, self.protocol, self.devices, o.master)
