@@ -212,6 +212,46 @@ def test_a_parent_forgotten_and_added_again_still_counts_its_children():
     assert len(index) == 0
 
 
+def test_removal_listener_hears_each_full_removal_once_not_demotions():
+    index = new_index()
+    heard: list[str] = []
+    index.add_removal_listener(lambda key: heard.append(key.rstrip(b".").decode()))
+    chain(index, "ab", L1)
+    index.add(k("b"), k("a"), 1, L2)  # demotion: the lower tier is added first ...
+    index.drop(k("b"), L1)  # ... then the upper one dropped
+    index.drop(k("x"), L1)  # not held at all
+    index.drop(k("a"), L2)  # not held in that tier
+    assert heard == []
+    assert drain(index, L2) == ["b"]
+    assert heard == ["b"]
+    index.drop(k("b"), L2)  # already gone: no second call
+    assert drain(index, L1) == ["a"]
+    assert heard == ["b", "a"] and len(index) == 0
+
+
+def test_removal_listener_errors_are_swallowed_counted_and_logged_once(caplog):
+    index = new_index()
+    heard: list[bytes] = []
+
+    def broken(key: bytes) -> None:
+        raise ValueError("listener bug")
+
+    index.add_removal_listener(broken)
+    index.add_removal_listener(heard.append)
+    chain(index, "abc", L2)
+    with caplog.at_level("WARNING", logger="tierkv"):
+        assert drain(index, L2) == ["c", "b", "a"]
+    assert heard == [k("c"), k("b"), k("a")]  # a failing listener does not starve the next one
+    assert index.listener_errors == 3 and len(index) == 0
+    (record,) = caplog.records
+    assert "removal listener" in record.message and "listener bug" in record.exc_text
+    index.remove_removal_listener(broken)
+    index.remove_removal_listener(broken)  # unknown now: ignored
+    chain(index, "d", L3)
+    index.drop(k("d"), L3)
+    assert index.listener_errors == 3 and heard[-1] == k("d")
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_random_operations_keep_children_and_candidates_exact(seed):
     """Random add/drop/pin/unpin/evict on a fixed tree, checked against a brute-force model."""

@@ -6,19 +6,24 @@ and, per tier, how many of its children that tier holds. A block is
 *evictable* from a tier when the tier holds it, no child is held there (leaves
 first: removing an inner block strands its descendants) and no request pins
 it. The index tells each tier's policy when a block becomes or stops being
-evictable, so a policy only ever ranks candidates.
+evictable, so a policy only ever ranks candidates. Removal listeners hear of
+each block that leaves the index (no local tier holds it any more).
 
 Not thread-safe: the store serialises calls under its lock.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import logging
+import threading
+from collections.abc import Callable, Iterable, Sequence
 from enum import IntEnum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from tierkv.policy.base import EvictionPolicy
+
+log = logging.getLogger("tierkv")
 
 
 class Tier(IntEnum):
@@ -88,6 +93,10 @@ class PrefixIndex:
         self.counts = [0, 0, 0]
         self.clock = 0
         self._decay = 0.5 ** (1.0 / half_life)
+        # Copy-on-write under its own lock: drop() reads the tuple without taking any.
+        self._removal_listeners: tuple[Callable[[bytes], None], ...] = ()
+        self._listeners_lock = threading.Lock()
+        self.listener_errors = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -179,7 +188,43 @@ class PrefixIndex:
             del self._entries[key]
             if any(entry.children):
                 self._uncached_parents[key] = entry
+            if self._removal_listeners:
+                self._notify_removed(key)
         return entry
+
+    # -- removal listeners ----------------------------------------------------
+
+    def add_removal_listener(self, listener: Callable[[bytes], None]) -> None:
+        """Call ``listener(key)`` each time a block leaves the index: its last local tier dropped it.
+
+        Not called when a block moves between tiers (the lower tier is added
+        before the upper one is dropped), nor for L4, which the index does not
+        track. The listener runs on whichever thread changed the index, while
+        the store holds its lock: it must be quick (record the key, nothing
+        more) and must not call back into the store. An exception it raises
+        is caught, counted in ``listener_errors`` and logged once; the store
+        never sees it. Registering and removing are safe from any thread.
+        """
+        with self._listeners_lock:
+            self._removal_listeners = (*self._removal_listeners, listener)
+
+    def remove_removal_listener(self, listener: Callable[[bytes], None]) -> None:
+        """Stop calling ``listener`` (registered with ``add_removal_listener``); unknown ones are ignored."""
+        with self._listeners_lock:
+            listeners = list(self._removal_listeners)
+            if listener in listeners:
+                listeners.remove(listener)
+                self._removal_listeners = tuple(listeners)
+
+    def _notify_removed(self, key: bytes) -> None:
+        for listener in self._removal_listeners:
+            try:
+                listener(key)
+            except Exception:  # a listener's bug must not break an eviction half-way
+                self.listener_errors += 1
+                if self.listener_errors == 1:
+                    log.warning("tierkv: index removal listener %r failed; further failures are only "
+                                "counted (index.listener_errors)", listener, exc_info=True)
 
     # -- use ------------------------------------------------------------------
 
