@@ -54,11 +54,14 @@ class TierKVWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler: loads finished (pins can go), loads that stopped
     short (request -> first chain position not loaded: vLLM recomputes from
     there and those blocks must be saved again), saves finished (save_id ->
-    blocks stored, a leading run), and keys whose load failed."""
+    blocks stored, a leading run), and keys that left every local tier of the
+    store (evicted out of L3, or a failed load dropped them), in the order
+    they left; a key removed while its own save ran comes in the same report
+    as that save, so the scheduler sees the store before the removal."""
 
     loads_done: set[str] = field(default_factory=set)
     saves_done: dict[int, int] = field(default_factory=dict)
-    lost: list[bytes] = field(default_factory=list)
+    removed: list[bytes] = field(default_factory=list)
     loads_short: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
@@ -70,4 +73,4 @@ class TierKVWorkerMetadata(KVConnectorWorkerMetadata):
         short = dict(self.loads_short)
         for req_id, pos in other.loads_short.items():
             short[req_id] = min(pos, short.get(req_id, pos))
-        return TierKVWorkerMetadata(self.loads_done | other.loads_done, saves, self.lost + other.lost, short)
+        return TierKVWorkerMetadata(self.loads_done | other.loads_done, saves, self.removed + other.removed, short)

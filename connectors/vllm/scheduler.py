@@ -3,8 +3,10 @@
 Per request it keeps tierkv's chain of block keys (from the token ids, so
 vLLM and tierkv's own engine share blocks), the store match it promised to
 vLLM (pinned until the worker reports the load done), how far the chain is
-known to be stored, and how many of its saves are still running. Called only
-from vLLM's scheduler thread; not thread-safe.
+known to be stored, and how many of its saves are still running. KV events:
+``BlockStored`` when a save lands, ``BlockRemoved`` when a block this side
+announced leaves every local tier of the store (L4 is not tracked). Called
+only from vLLM's scheduler thread; not thread-safe.
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ class ConnectorScheduler:
         self._next_save_id = 0
         self._events: list = []
         self._medium = "CPU" if store.l2 is not None else "STORAGE"
+        # Keys announced by BlockStored and not yet removed: only those get a BlockRemoved, as
+        # vLLM's own block pool does. Bounded by L2 + L3; None without them (the worker then
+        # reports no removals and nothing would ever leave the set).
+        self._announced: set[bytes] | None = set() if store.l2 is not None or store.l3 is not None else None
 
     # -- requests and keys ----------------------------------------------------
 
@@ -207,13 +213,29 @@ class ConnectorScheduler:
             if st is not None:
                 st.saves_running -= 1
             if n_ok > 0:
+                hashes = spec.keys[spec.start : spec.start + n_ok]
                 self._events.append(BlockStored(
-                    block_hashes=spec.keys[spec.start : spec.start + n_ok],
+                    block_hashes=hashes,
                     parent_block_hash=spec.keys[spec.start - 1] if spec.start else None,
                     token_ids=tokens[: n_ok * self.block_size], block_size=self.block_size,
                     lora_id=None, medium=self._medium, lora_name=None))
-        if wm.lost:
-            self._events.append(BlockRemoved(block_hashes=list(wm.lost), medium=self._medium))
+                if self._announced is not None:
+                    self._announced.update(hashes)
+        if wm.removed:
+            self._announce_removed(wm.removed)
+
+    def _announce_removed(self, keys: list[bytes]) -> None:
+        """One ``BlockRemoved`` for the keys among ``keys`` that a ``BlockStored`` announced."""
+        announced = self._announced
+        if announced is None:
+            return
+        gone = []
+        for key in keys:
+            if key in announced:
+                announced.remove(key)
+                gone.append(key)
+        if gone:
+            self._events.append(BlockRemoved(block_hashes=gone, medium=self._medium))
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Delay freeing the request's blocks while a background save still reads them."""

@@ -15,8 +15,15 @@ back for reuse: vLLM delays freeing a finished request's blocks
 (``finished_sending`` says when), preemptions and loads into such a block
 wait for the thread first.
 
-Called from vLLM's worker thread; the background save thread shares only
-the counters guarded by ``_lock``.
+Removals: a listener on the store's index collects the keys of blocks that
+leave every local tier (eviction out of L3, a failed load) and ships them with
+the worker metadata; the scheduler side turns those it announced into
+``BlockRemoved``. The listener runs on whichever thread changed the index,
+under the store's lock, so it only takes ``_lock`` to append; nothing here
+calls the store while holding ``_lock``.
+
+Called from vLLM's worker thread; the background save thread and the
+removal listener share only the state guarded by ``_lock``.
 """
 
 from __future__ import annotations
@@ -71,13 +78,19 @@ class ConnectorWorker:
         self._lock = threading.Lock()
         self._loads_done: set[str] = set()
         self._saves_done: dict[int, int] = {}
-        self._lost: list[bytes] = []
+        self._removed: list[bytes] = []
+        self._putting: set[bytes] = set()
+        self._put_removed: list[bytes] = []
         self._loads_short: dict[str, int] = {}
         self._running: Counter[str] = Counter()
         self._reading: Counter[int] = Counter()
         self._report: set[str] = set()
         self._jobs: list[Future] = []
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="tierkv-vllm-save")
+        # Without L2 and L3 the index tracks nothing the connector saved (L4 is untracked).
+        self._listening = store.l2 is not None or store.l3 is not None
+        if self._listening:
+            store.index.add_removal_listener(self._on_removed)
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Adopt vLLM's per-layer caches as one strided view; refuses a layout it does not know."""
@@ -127,10 +140,8 @@ class ConnectorWorker:
             ids = torch.tensor(spec.block_ids[:good], dtype=torch.int64, device=self.kv.device)
             scatter_blocks(self.kv, ids, load.staging[:good].to(self.kv.device, non_blocking=True))
         self._errors.update(spec.block_ids[good:])
-        lost = [spec.keys[spec.start + j] for j in range(load.num_found) if not ok[j]]
         self.store.release(load.match)
         with self._lock:
-            self._lost.extend(lost)
             self._loads_done.add(spec.req_id)
             if good < len(spec.block_ids):
                 self._loads_short[spec.req_id] = spec.start + good
@@ -224,13 +235,28 @@ class ConnectorWorker:
         first = 0
         for spec in step.meta.saves:
             n = len(spec.block_ids)
-            flags = self.store.put_blocks(spec.keys, list(staging[first : first + n].unbind(0)), spec.start)
-            first += n
-            good = 0
-            while good < n and flags[good]:
-                good += 1
             with self._lock:
-                self._saves_done[spec.save_id] = good
+                self._putting = set(spec.keys[spec.start : spec.start + n])
+            flags = None
+            try:
+                flags = self.store.put_blocks(spec.keys, list(staging[first : first + n].unbind(0)), spec.start)
+            finally:
+                with self._lock:
+                    if flags is not None:
+                        good = 0
+                        while good < n and flags[good]:
+                            good += 1
+                        self._saves_done[spec.save_id] = good
+                    # Shipped with (never before) this save's report: else the scheduler would
+                    # see the removal first and then announce a block already gone as stored.
+                    self._removed.extend(self._put_removed)
+                    self._putting, self._put_removed = set(), []
+            first += n
+
+    def _on_removed(self, key: bytes) -> None:
+        """Index removal listener: runs under the store's lock on any thread; only records."""
+        with self._lock:
+            (self._put_removed if key in self._putting else self._removed).append(key)
 
     def _wait_for_readers(self, block_ids: Sequence[int]) -> None:
         with self._lock:
@@ -252,15 +278,17 @@ class ConnectorWorker:
 
     def build_worker_meta(self) -> TierKVWorkerMetadata | None:
         with self._lock:
-            if not (self._loads_done or self._saves_done or self._lost):
+            if not (self._loads_done or self._saves_done or self._removed):
                 return None
-            meta = TierKVWorkerMetadata(self._loads_done, self._saves_done, self._lost, self._loads_short)
-            self._loads_done, self._saves_done, self._lost, self._loads_short = set(), {}, [], {}
+            meta = TierKVWorkerMetadata(self._loads_done, self._saves_done, self._removed, self._loads_short)
+            self._loads_done, self._saves_done, self._removed, self._loads_short = set(), {}, [], {}
         return meta
 
     def shutdown(self) -> None:
         self._drain()
         self._saver.shutdown(wait=True)
+        if self._listening:
+            self.store.index.remove_removal_listener(self._on_removed)
         for load in self._async.values():
             try:
                 load.handle.wait()

@@ -1,6 +1,6 @@
 """Fixtures for the vLLM connector tests (run by ``make test-vllm`` in .venv-vllm).
 
-``engine(l2=..., l3=..., **vllm)`` builds a harness Engine whose store lives
+``engine(l2=..., l3=..., policy=..., **vllm)`` builds a harness Engine whose store lives
 under the test's tmp dir; every engine is closed at teardown.
 """
 
@@ -21,9 +21,12 @@ from harness import Engine, make_engine  # noqa: E402
 def engine(tmp_path: Path):
     made: list[Engine] = []
 
-    def make(l2: str = "16MiB", l3: str = "16MiB", num_blocks: int = 64, **vllm) -> Engine:
+    def make(l2: str = "16MiB", l3: str = "16MiB", num_blocks: int = 64, policy: str | None = None,
+             **vllm) -> Engine:
         extra = {"namespace": tmp_path.name, "l2": {"capacity": l2},
                  "l3": {"path": str(tmp_path / "l3"), "capacity": l3}, "vllm": vllm}
+        if policy is not None:
+            extra["policy"] = {"name": policy}
         e = make_engine(extra, num_blocks=num_blocks)
         made.append(e)
         return e

@@ -17,6 +17,7 @@ a real forward would have written there, whether computed or loaded.
 from __future__ import annotations
 
 import os
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,6 +58,11 @@ HEADS = 4
 HEAD_DIM = 32
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 EOS = 2
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    """``n`` token ids drawn from ``seed``: distinct seeds give distinct blocks."""
+    return random.Random(seed).choices(range(3, 1000), k=n)
 
 
 def kv_values(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -7,16 +7,11 @@ hit) and by the bytes in vLLM's KV cache (what the model would have written).
 from __future__ import annotations
 
 import os
-import random
 
 import pytest
-from harness import BLOCK, Engine
+from harness import BLOCK, Engine, prompt
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    return random.Random(seed).choices(range(3, 1000), k=n)
 
 
 def populate(e: Engine, tokens: list[int]) -> None:
