@@ -13,22 +13,18 @@ bound to the key; a bad block is a miss, is removed and is counted. Readers
 never block (LMDB MVCC), and any number of processes may open one directory.
 
 Damage found at open never stops the store: damaged files are moved into
-``damaged-<UTC time>/`` beside them and an empty L3 starts in their place;
-records whose block cannot be in the slot file are dropped. Both are counted.
+``damaged-<UTC time>/`` beside them and an empty L3 starts in their place
+(``disk_open.py`` checks and moves); records whose block cannot be in the slot
+file are dropped. Both are counted.
 """
 
 from __future__ import annotations
 
-import ast
 import errno
-import fcntl
 import logging
 import mmap
 import os
-import signal
 import struct
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -40,16 +36,14 @@ import xxhash
 
 from tierkv.layout import KVLayout
 from tierkv.tiers.base import Lineage, as_bytes
+from tierkv.tiers.disk_open import (
+    DAMAGE, Damaged, check_before_mapping, foreign_layout, has_data, open_checked, read_count,
+)
 
 log = logging.getLogger("tierkv")
 ALIGN = 4096
 _REC = struct.Struct("<IIQd")  # slot, depth, checksum, created; parent hash follows (0 or 16 bytes)
 _SLOT = struct.Struct(">I")    # free-list keys sort by slot number
-# LMDB errors that mean the index file itself is damaged (not a lock, a limit or a permission).
-_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.InvalidError, lmdb.VersionMismatchError,
-           lmdb.IncompatibleError, lmdb.PanicError, lmdb.BadValsizeError)
-_PROBE_TIMEOUT_S = 120
-_CRASHES = {signal.SIGBUS, signal.SIGSEGV, signal.SIGABRT, signal.SIGILL, signal.SIGFPE}
 
 FailureHook = Callable[[str, str, int, str], None]  # (tier, reason, blocks, detail)
 
@@ -73,14 +67,6 @@ def _parse(key: bytes, raw: bytes) -> Record | None:
     if extra not in (0, 16) or (extra and bytes(raw[_REC.size:]) == bytes(key)):
         return None
     return Record(bytes(key), raw)
-
-
-class _Damaged(Exception):
-    """L3 files that cannot be used as they are: (reason, blocks lost or 0, what is wrong)."""
-
-    def __init__(self, reason: str, lost: int, what: str) -> None:
-        super().__init__(what)
-        self.reason, self.lost, self.what = reason, lost, what
 
 
 class DiskTier:
@@ -108,43 +94,15 @@ class DiskTier:
         self._on_failure = on_failure or (lambda *a: None)
         if not create and not (self.path / "index").exists():
             raise FileNotFoundError(f"l3.path: no tierkv L3 directory at {self.path}")
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            lock = os.open(self.path / "open.lock", os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            raise ValueError(f"l3.path: {self.path} cannot be the L3 directory ({exc})") from None
-        try:
-            # Held while checking, moving aside and creating, so that two processes starting on a
-            # damaged directory move it once and the second finds the first one's fresh L3.
-            fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                self._open(num_blocks, meta or {}, direct_io)
-            except _Damaged as damage:
-                if not create:
-                    raise ValueError(f"l3.path: {self.path} is damaged ({damage.what}); "
-                                     "a store started on it moves the damaged files aside") from None
-                self._set_aside(damage)
-                try:
-                    self._open(num_blocks, meta or {}, direct_io)
-                except _Damaged as again:
-                    raise ValueError(f"l3.path: a fresh L3 under {self.path} is unusable ({again.what})") from None
-        finally:
-            os.close(lock)
+        open_checked(self.path, lambda: self._open(num_blocks, meta or {}, direct_io), create, self._report_damage)
         self._local = threading.local()  # per-thread page-aligned bounce buffer
 
     # -- setup ----------------------------------------------------------------
 
     def _open(self, num_blocks: int, meta: dict[str, str], direct_io: bool) -> None:
-        """Open index and slot file. Raises _Damaged for damaged files, ValueError for configuration."""
+        """Open index and slot file. Raises Damaged for damaged files, ValueError for configuration."""
         index, slots = self.path / "index", self.path / "slots.bin"
-        if slots.exists() and not slots.is_file():
-            raise _Damaged("damaged_slots", 0, "slots.bin is not a regular file")
-        data = index / "data.mdb"
-        if index.exists() and (not index.is_dir() or (data.exists() and not data.is_file())):
-            raise _Damaged("damaged_index", 0, "index is not an LMDB directory")
-        if data.is_file() and data.stat().st_size == 0 and _has_data(slots):  # LMDB would start it afresh
-            raise _Damaged("damaged_index", 0, "index/data.mdb is empty but slots.bin holds data")
-        _probe_index(index)
+        check_before_mapping(self.path)
         self._env, self._fd = None, None
         try:
             self._blocks = None
@@ -157,10 +115,10 @@ class DiskTier:
             self.direct = self._open_file(slots, direct_io)
             self._drop_unusable()
             self._size_file()
-        except _DAMAGE as exc:
+        except DAMAGE as exc:
             lost = self._entries()
             self._close_files()
-            raise _Damaged("damaged_index", lost, f"{type(exc).__name__}: {exc}") from None
+            raise Damaged("damaged_index", lost, f"{type(exc).__name__}: {exc}") from None
         except (lmdb.Error, OSError) as exc:  # e.g. a second store on this directory in one process
             self._close_files()
             raise ValueError(f"l3.path: cannot open the L3 files under {self.path}: {exc}") from None
@@ -172,13 +130,13 @@ class DiskTier:
         with self._env.begin(write=True) as txn:
             entries = txn.stat(self._blocks)["entries"]
             found = txn.get(b"layout_fingerprint", db=self._meta)
-            if found is None and (entries or _has_data(slots)):
-                raise _Damaged("damaged_index", entries, "the index has lost its meta records "
-                               f"but {'holds blocks' if entries else 'slots.bin holds data'}")
+            if found is None and (entries or has_data(slots)):
+                raise Damaged("damaged_index", entries, "the index has lost its meta records "
+                              f"but {'holds blocks' if entries else 'slots.bin holds data'}")
             if found is not None and found != self.layout.fingerprint.encode():
-                raise self._foreign(found, txn.get(b"layout", db=self._meta), entries)
-            capacity = max(num_blocks, _count(txn, self._meta, b"capacity", entries))
-            _count(txn, self._meta, b"next_slot", entries)
+                raise foreign_layout(self.path, self.layout, found, txn.get(b"layout", db=self._meta), entries)
+            capacity = max(num_blocks, read_count(txn, self._meta, b"capacity", entries))
+            read_count(txn, self._meta, b"next_slot", entries)
             txn.put(b"layout_fingerprint", self.layout.fingerprint.encode(), db=self._meta)
             txn.put(b"layout", repr(self.layout.to_dict()).encode(), db=self._meta)
             txn.put(b"capacity", str(capacity).encode(), db=self._meta)
@@ -186,21 +144,6 @@ class DiskTier:
                 if txn.get(k.encode(), db=self._meta) is None:
                     txn.put(k.encode(), str(v).encode(), db=self._meta)
         return capacity
-
-    def _foreign(self, found: bytes, described: bytes | None, entries: int) -> Exception:
-        """Another layout's directory (a configuration error), or meta records too damaged to say."""
-        try:
-            theirs = KVLayout(**ast.literal_eval(described.decode()))
-            consistent = theirs.fingerprint.encode() == found
-        except (AttributeError, ValueError, TypeError, SyntaxError, RecursionError):
-            consistent = False
-        if not consistent:
-            return _Damaged("damaged_index", entries, f"meta records 'layout_fingerprint' {found[:32]!r} and "
-                            f"'layout' {(described or b'')[:80]!r} are unreadable or disagree")
-        return ValueError(
-            f"l3.path: {self.path} holds blocks of layout {found.decode()}, this store's layout is "
-            f"{self.layout.fingerprint}; use another l3.path or clear it with `tierkv evict --all`"
-        )
 
     def _open_file(self, path: Path, direct_io: bool) -> bool:
         flags = os.O_RDWR | os.O_CREAT
@@ -244,30 +187,10 @@ class DiskTier:
             self._on_failure("l3", "corrupt", len(bad), f"{self.path}: {len(bad) - malformed} records point past "
                              f"the end of slots.bin ({size} bytes), {malformed} are malformed; dropped")
 
-    def _set_aside(self, damage: _Damaged) -> None:
-        """Move the damaged files into a new ``damaged-<UTC time>`` directory and report it once."""
-        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
-        moved = []
-        dest, n = self.path / f"damaged-{stamp}", 1
-        try:
-            while True:
-                try:
-                    dest.mkdir()
-                    break
-                except FileExistsError:  # a second move within the same second
-                    n += 1
-                    dest = self.path / f"damaged-{stamp}-{n}"
-            for name in ("index", "slots.bin"):
-                if os.path.lexists(self.path / name):
-                    os.rename(self.path / name, dest / name)
-                    moved.append(name)
-        except OSError as exc:
-            raise ValueError(f"l3.path: {self.path} is damaged ({damage.what}) and its files cannot be "
-                             f"moved aside ({exc})") from None
-        detail = f"{self.path}: {damage.what}; moved {' and '.join(moved)} to {dest}, starting with an empty L3"
+    def _report_damage(self, reason: str, lost: int, detail: str) -> None:
         if not self._hooked:
-            log.warning("tierkv l3 %s: %s", damage.reason, detail)
-        self._on_failure("l3", damage.reason, damage.lost, detail)
+            log.warning("tierkv l3 %s: %s", reason, detail)
+        self._on_failure("l3", reason, lost, detail)
 
     def _entries(self) -> int:
         """Blocks the index lists, or 0 when it cannot say."""
@@ -570,79 +493,6 @@ class DiskTier:
                         txn.put(_SLOT.pack(rec.slot), b"", db=self._free)
         except lmdb.Error as exc:
             self._on_failure("l3", "index", len(recs), f"{self.path}: {exc}")
-
-
-def _has_data(path: Path) -> bool:
-    return path.is_file() and path.stat().st_size > 0
-
-
-def _count(txn, db, name: bytes, entries: int) -> int:
-    """A non-negative integer meta record (0 when absent); _Damaged when it is not one."""
-    raw = txn.get(name, db=db)
-    try:
-        value = int(raw) if raw is not None else 0
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise _Damaged("damaged_index", entries, f"meta record {name.decode()!r} is unreadable: {raw[:32]!r}")
-    return value
-
-
-# LMDB maps the index and trusts it: a truncated file kills the reader with SIGBUS, a garbled
-# page can abort() it on a failed assertion. So a child process walks the whole index first;
-# only if it survives does this process map the file.
-_PROBE = r"""
-import os, sys, lmdb
-path = sys.argv[1]
-try:
-    env = lmdb.open(path, readonly=True, max_dbs=4, subdir=True, lock=True)
-    need = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-    have = os.path.getsize(os.path.join(path, "data.mdb"))
-    if have < need:
-        print(f"index/data.mdb is truncated: {have} bytes, its pages end at byte {need}", file=sys.stderr)
-        sys.exit(3)
-    with env.begin() as txn:
-        for name in (b"blocks", b"free", b"meta"):
-            try:
-                db = env.open_db(name, txn=txn, create=False)
-            except lmdb.NotFoundError:
-                continue
-            if name == b"blocks":
-                print(txn.stat(db)["entries"], flush=True)
-            for _ in txn.cursor(db=db):
-                pass
-except lmdb.Error as exc:
-    print(f"{type(exc).__name__}: {exc}", file=sys.stderr)
-    sys.exit(2)
-"""
-
-
-def _probe_index(index: Path) -> None:
-    """Walk the LMDB index under ``index`` in a child process; raise _Damaged if that fails or kills it."""
-    data = index / "data.mdb"
-    if not data.is_file() or data.stat().st_size == 0:
-        return
-    if getattr(sys, "frozen", False) or not Path(sys.executable or "-").name.startswith(("python", "pypy")):
-        # A frozen app's executable is the app, not an interpreter: open in-process, as checked as LMDB can.
-        log.info("tierkv l3: no Python interpreter to check %s in; opening it unchecked", index)
-        return
-    try:
-        res = subprocess.run([sys.executable, "-c", _PROBE, str(index)], capture_output=True, text=True,
-                             timeout=_PROBE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        raise _Damaged("damaged_index", 0, f"walking the index took over {_PROBE_TIMEOUT_S} s") from None
-    except OSError as exc:
-        log.info("tierkv l3: cannot start the index check (%s); opening %s unchecked", exc, index)
-        return
-    lines = res.stdout.split()
-    lost = int(lines[0]) if lines and lines[0].isdigit() else 0
-    why = (res.stderr.strip().splitlines() or [""])[-1]
-    if -res.returncode in _CRASHES:  # not SIGTERM or SIGKILL: those come from outside, not from the file
-        name = signal.Signals(-res.returncode).name
-        raise _Damaged("damaged_index", lost, f"reading index/data.mdb killed a process ({name})")
-    damage = {cls.__name__ for cls in _DAMAGE}
-    if res.returncode == 3 or (res.returncode == 2 and why.split(":")[0] in damage):
-        raise _Damaged("damaged_index", lost, why)
 
 
 _MAX_RUN = 64  # blocks per preadv/pwritev (well under IOV_MAX; 32 MiB at 512 KiB blocks)
