@@ -27,6 +27,7 @@ import lmdb
 
 from tierkv.layout import KVLayout
 from tierkv.tiers.disk import DiskTier, Record
+from tierkv.tiers.disk_open import Damaged, check_before_mapping, damaged_error
 
 _HIT = struct.Struct("<Qd")  # count, last hit (unix seconds)
 UNLABELLED = "?"
@@ -98,11 +99,18 @@ def stored_layout(l3_path: str | Path) -> tuple[KVLayout, int, dict[str, str]] |
     """(layout, capacity in blocks, meta) of an existing L3 directory, or None if there is none.
 
     Reads the LMDB meta table without opening the slot file, so it works on a
-    directory of any layout.
+    directory of any layout. A damaged directory raises ValueError naming it (and
+    moves nothing): the index is walked in a child process before this one maps it,
+    as a store's start does, since LMDB kills a process reading a truncated index.
     """
-    index = Path(l3_path).expanduser() / "index"
+    path = Path(l3_path).expanduser()
+    index = path / "index"
     if not (index / "data.mdb").exists():
         return None
+    try:
+        check_before_mapping(path)
+    except Damaged as damage:
+        raise damaged_error(path, damage.what) from None
     env = lmdb.open(str(index), readonly=True, lock=False, max_dbs=4, subdir=True)
     try:
         meta_db = env.open_db(b"meta", create=False)
@@ -110,12 +118,23 @@ def stored_layout(l3_path: str | Path) -> tuple[KVLayout, int, dict[str, str]] |
             meta = {bytes(k).decode(): bytes(v).decode() for k, v in txn.cursor(db=meta_db)}
     except lmdb.Error:
         return None
+    except UnicodeDecodeError as exc:
+        raise damaged_error(path, f"a meta record is not text ({exc})") from None
     finally:
         env.close()
     if "layout" not in meta:
         return None
-    layout = KVLayout(**ast.literal_eval(meta["layout"]))
-    return layout, int(meta.get("capacity", "0")), meta
+    try:
+        layout = KVLayout(**ast.literal_eval(meta["layout"]))
+    except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
+        raise damaged_error(path, f"meta record 'layout' is unreadable: {meta['layout'][:80]!r}") from None
+    try:
+        capacity = int(meta.get("capacity", "0"))
+    except ValueError:
+        capacity = -1
+    if capacity < 0:
+        raise damaged_error(path, f"meta record 'capacity' is unreadable: {meta['capacity'][:32]!r}")
+    return layout, capacity, meta
 
 
 def open_l3(l3_path: str | Path, direct_io: bool = True) -> DiskTier:
