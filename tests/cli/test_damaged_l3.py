@@ -1,4 +1,4 @@
-"""The offline commands on a damaged L3 directory, through the real `tierkv` command.
+"""The offline commands on a damaged L3 directory, and `tierkv info` on what starts moved aside.
 
 The directory is written by a real store (``populate``) and damaged with file
 operations or a real LMDB write; the commands run in their own processes, so a
@@ -12,7 +12,10 @@ import os
 from pathlib import Path
 
 import lmdb
-from cli_helpers import cache, populate, run_tierkv  # noqa: F401  (fixtures)
+from cli_helpers import LAYOUT, cache, populate, run_tierkv, store_config  # noqa: F401  (fixtures)
+
+from tierkv import TierKVStore
+from tierkv.cli.common import human_bytes
 
 
 def sha(path: Path) -> str:
@@ -50,3 +53,32 @@ def test_an_unreadable_layout_record_is_one_error_naming_the_path(cache):
     assert r.code == 1, r.err
     assert r.err.strip() == (f"error: l3.path: {l3} is damaged (meta record 'layout' is unreadable: "
                              "\"{'num_layers': 2, garbage\"); a store started on it moves the damaged files aside")
+
+
+def test_info_lists_the_directories_damaged_files_were_moved_into(cache):
+    populate(cache)
+    l3 = cache / "l3"
+    r = run_tierkv("info", "--json", "--cache-dir", str(cache))
+    assert r.code == 0, r.err
+    assert r.json()["tiers"]["l3"]["damaged"] == {"count": 0, "bytes": 0, "dirs": []}
+    assert "damaged" not in run_tierkv("info", "--cache-dir", str(cache)).out
+    for _ in range(2):  # two starts on a damaged index: two directories
+        with open(l3 / "index" / "data.mdb", "r+b") as fh:
+            fh.write(bytes(range(256)) * 32)  # both header pages
+        store = TierKVStore(store_config(cache), LAYOUT, l1_blocks=0)
+        assert store.stats()["failures"] == {"l3_damaged_index": 0}
+        store.close()
+    aside = sorted(p for p in l3.iterdir() if p.name.startswith("damaged-"))
+    assert len(aside) == 2
+    total = sum(f.stat().st_size for d in aside for f in d.rglob("*") if f.is_file())
+    assert total > 0
+    r = run_tierkv("info", "--json", "--cache-dir", str(cache))
+    assert r.code == 0, r.err
+    l3_info = r.json()["tiers"]["l3"]
+    assert l3_info["damaged"] == {"count": 2, "bytes": total, "dirs": [p.name for p in aside]}
+    assert l3_info["present"] and l3_info["used_blocks"] == 0  # the fresh L3 the second start left
+    r = run_tierkv("info", "--cache-dir", str(cache))
+    assert r.code == 0, r.err
+    line = next(x for x in r.out.splitlines() if "damaged" in x)
+    assert line == (f"l3: 2 directories of damaged files moved aside at start ({human_bytes(total)}) in {l3}: "
+                    f"{aside[0].name}, {aside[1].name}; delete them once inspected")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -14,6 +16,7 @@ from rich.table import Table
 from tierkv.catalog import Catalog, open_l3
 from tierkv.cli.common import CacheDir, CLIError, ConfigFile, Debug, Json, app, console, human_bytes, print_json, settings
 from tierkv.metrics import TIER_NAMES
+from tierkv.tiers.disk_open import damaged_dirs
 
 
 def read_metrics(url: str, timeout: float = 5.0) -> dict:
@@ -61,6 +64,8 @@ def local_info(s) -> dict:
         "rdma": rdma_info(),
     }
     l3 = out["tiers"]["l3"]
+    aside = damaged_dirs(s.l3_path)
+    l3["damaged"] = {"count": len(aside), "bytes": sum(_tree_bytes(d) for d in aside), "dirs": [d.name for d in aside]}
     try:
         disk = open_l3(s.l3_path, cfg.l3.direct_io)
     except FileNotFoundError:
@@ -84,6 +89,18 @@ def local_info(s) -> dict:
     finally:
         disk.close()
     return out
+
+
+def _tree_bytes(path: Path) -> int:
+    """Bytes in the files under ``path`` (links not followed)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except FileNotFoundError:  # deleted while we count
+                pass
+    return total
 
 
 def rdma_info() -> dict:
@@ -188,6 +205,12 @@ def info_cmd(
     if l3["present"]:
         console.print(f"l3 holds model {l3['model_id']}@{l3['model_revision']}; {l3['hits_recorded']} block hits "
                       f"recorded; namespaces: {', '.join(l3['namespaces']) or '-'}")
+    damaged = l3["damaged"]
+    if damaged["count"]:
+        noun = "directory" if damaged["count"] == 1 else "directories"
+        console.print(f"l3: {damaged['count']} {noun} of damaged files moved aside at start "
+                      f"({human_bytes(damaged['bytes'])}) in {l3['where']}: {', '.join(damaged['dirs'])}; "
+                      "delete them once inspected", markup=False, soft_wrap=True)
     for line in rdma_lines(data["rdma"]):
         console.print(line, markup=False, soft_wrap=True)
 

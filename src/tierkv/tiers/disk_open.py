@@ -103,6 +103,11 @@ def set_aside(path: Path, damage: Damaged) -> str:
     return f"{path}: {damage.what}; moved {' and '.join(moved)} to {dest}, starting with an empty L3"
 
 
+def damaged_dirs(path: Path) -> list[Path]:
+    """The ``damaged-*`` directories that starts on the L3 directory ``path`` moved files into, by name."""
+    return sorted(p for p in path.glob("damaged-*") if p.is_dir() and not p.is_symlink())
+
+
 def check_before_mapping(path: Path) -> None:
     """Raise Damaged for files under the L3 directory ``path`` that must not be opened as they are:
     ``index``/``slots.bin`` of the wrong file type, an emptied index beside slot data, or an index
