@@ -232,12 +232,16 @@ def test_valkey_scheme_and_key_prefix(redis_server, tmp_path, layout):
         node.close()
 
 
-def test_write_through_puts_to_l4_on_fill(redis_server, tmp_path, layout):
+def writer_and_reader(tmp_path, layout, url: str, write: str) -> tuple[TierKVStore, TierKVStore]:
+    """Node A with roomy L2/L3 (nothing gets evicted) under ``write``, and a plain node B."""
     from tierkv.config import PolicyConfig
 
-    a = make_node(tmp_path, "a", layout, redis_server.url, l2=8, l3=8,
-                  policy=PolicyConfig(name="lru", write="write_through"))
-    b = make_node(tmp_path, "b", layout, redis_server.url)
+    a = make_node(tmp_path, "a", layout, url, l2=8, l3=8, policy=PolicyConfig(name="lru", write=write))
+    return a, make_node(tmp_path, "b", layout, url)
+
+
+def test_write_through_puts_to_l4_on_fill(redis_server, tmp_path, layout):
+    a, b = writer_and_reader(tmp_path, layout, redis_server.url, "write_through")
     try:
         tokens = prompt(8, 3, layout)
         keys = save_prompt(a, tokens)  # nothing evicted: only write-through can have sent them
@@ -252,11 +256,7 @@ def test_write_through_puts_to_l4_on_fill(redis_server, tmp_path, layout):
 
 
 def test_write_through_selective_puts_to_l4_on_the_second_hit(redis_server, tmp_path, layout):
-    from tierkv.config import PolicyConfig
-
-    a = make_node(tmp_path, "a", layout, redis_server.url, l2=8, l3=8,
-                  policy=PolicyConfig(name="lru", write="write_through_selective"))
-    b = make_node(tmp_path, "b", layout, redis_server.url)
+    a, b = writer_and_reader(tmp_path, layout, redis_server.url, "write_through_selective")
     try:
         tokens = prompt(12, 3, layout)
         keys = save_prompt(a, tokens)
