@@ -191,3 +191,25 @@ def test_trailer_is_last_and_payload_first_on_the_wire(redis_server):
         assert raw[LAYOUT.block_bytes:LAYOUT.block_bytes + 4] == b"TKV4"
     finally:
         tier.close()
+
+
+def test_bfloat16_blocks_round_trip(pool):
+    # numpy has no bfloat16: checksums and socket reads must treat blocks as bytes, whatever the dtype.
+    from tierkv.layout import KVLayout
+
+    bf16 = KVLayout(num_layers=2, num_kv_heads=2, head_dim=32, block_size=8, dtype="bfloat16")
+    tier = open_remote(L4Config(url=pool.url, timeout_ms=1000, key_prefix="bf16"), bf16)
+    try:
+        keys = [key_of("bf16", i) for i in range(3)]
+        src = torch.randn((3, *bf16.block_shape)).to(torch.bfloat16)
+        dst = torch.zeros_like(src)
+        tier.register(src)
+        tier.register(dst)
+        assert tier.put(keys, list(src)) == [True] * 3
+        assert tier.get(keys, list(dst)) == [True] * 3
+        assert torch.equal(dst.view(torch.int16), src.view(torch.int16))
+        loose = [torch.zeros(bf16.block_shape, dtype=torch.bfloat16) for _ in keys]
+        assert tier.get(keys, loose) == [True] * 3
+        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(loose, src))
+    finally:
+        tier.close()

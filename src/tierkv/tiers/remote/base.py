@@ -356,7 +356,7 @@ class RemoteTier:
                 s.copy_(b)
         names = [self.key_name(k) for k in keys]
         ok = self._call("write", len(keys), self.backend.write, names,
-                        lambda i: codec.trailer(keys[i], src[i].numpy()), src)
+                        lambda i: codec.trailer(keys[i], _raw(src[i])), src)
         if ok is _FAILED:
             return [False] * len(keys)
         if not all(ok):
@@ -396,7 +396,7 @@ class RemoteTier:
         for i, (length, tail) in enumerate(found):
             if length < 0:
                 continue
-            verdict = codec.verify(keys[i], length, tail, blocks[i].numpy())
+            verdict = codec.verify(keys[i], length, tail, _raw(blocks[i]))
             if verdict != OK:
                 bad[verdict] = bad.get(verdict, 0) + 1
                 continue
@@ -425,3 +425,7 @@ class RemoteTier:
     def close(self) -> None:
         self.backend.close()
 
+
+def _raw(block: torch.Tensor):
+    """A contiguous CPU block's bytes as a buffer, without a copy (any dtype: numpy has no bfloat16)."""
+    return block.view(torch.uint8).numpy()
