@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import xxhash
 from _kv import LAYOUT, ODD_LAYOUT, block_for, key_of, same_bytes
 
 from tierkv.config import L4Config
@@ -163,3 +164,21 @@ def test_urls_in_stats_never_show_a_password():
 
     assert display_url("redis://u:secret@h:1/0") == "redis://u:***@h:1/0"
     assert display_url("rediss://h:1/0?password=secret&ssl_cert_reqs=none") == "rediss://h:1/0"
+
+
+def test_checksum_by_address_matches_the_python_api(monkeypatch):
+    # Tensors are hashed through xxhash's exported XXH3_64bits by address when it is there;
+    # both routes must give the same trailer and the same verdicts, for every dtype.
+    from tierkv.tiers.remote import base
+
+    codec, key = ValueCodec(LAYOUT, "k"), key_of("addr")
+    block = block_for(key, LAYOUT)
+    bf16 = torch.randn(4, 33).to(torch.bfloat16)
+    fast = (codec.trailer(key, block), base._xxh3(bf16))
+    monkeypatch.setattr(base, "_XXH3_AT", None)
+    slow = (codec.trailer(key, block), base._xxh3(bf16))
+    assert fast == slow and slow[1] == xxhash.xxh3_64_intdigest(bf16.view(torch.uint8).numpy().tobytes())
+    value = encode(codec, key)
+    out = torch.empty(LAYOUT.block_shape, dtype=LAYOUT.torch_dtype)
+    as_bytes(out)[:] = value[:LAYOUT.block_bytes]
+    assert codec.verify(key, len(value), bytes(value[LAYOUT.block_bytes:]), out) == OK
