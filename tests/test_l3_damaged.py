@@ -128,6 +128,11 @@ def index_is_a_file(l3_dir: Path) -> None:
 ], ids=lambda v: getattr(v, "__name__", str(v)))
 def test_a_damaged_index_is_moved_aside_and_the_store_starts_empty(make_store, l3_dir, caplog, damage, lost):
     prompts, _ = write_l3(make_store)
+    from tierkv.catalog import Catalog
+
+    catalog = Catalog(l3_dir)  # what `tierkv run` writes beside L3: labels for the blocks moved below
+    catalog.label([key_of("root")], "old")
+    catalog.close()
     damage(l3_dir)
     index = l3_dir / "index"
     before = sha(index) if index.is_file() else sha(index / "data.mdb")
@@ -137,7 +142,8 @@ def test_a_damaged_index_is_moved_aside_and_the_store_starts_empty(make_store, l
     assert store.stats()["failures"] == {"l3_damaged_index": lost}
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "damaged_index" in warnings[0] and str(l3_dir) in warnings[0], warnings
-    aside = check_fresh_l3(make_store, store, l3_dir, prompts, ["index", "slots.bin"])
+    aside = check_fresh_l3(make_store, store, l3_dir, prompts, ["catalog", "index", "slots.bin"])
+    assert not (l3_dir / "catalog").exists()  # no stale labels for blocks that are gone
     # Moved, never rewritten: the damaged bytes are all still there.
     moved = aside / "index"
     assert (sha(moved) if moved.is_file() else sha(moved / "data.mdb")) == before

@@ -93,7 +93,8 @@ def set_aside(path: Path, damage: Damaged) -> str:
             except FileExistsError:  # a second move within the same second
                 n += 1
                 dest = path / f"damaged-{stamp}-{n}"
-        for name in ("index", "slots.bin"):
+        # The catalog (namespace labels, hit counts) describes the blocks being moved: it goes too.
+        for name in ("index", "slots.bin", "catalog"):
             if os.path.lexists(path / name):
                 os.rename(path / name, dest / name)
                 moved.append(name)
