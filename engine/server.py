@@ -8,10 +8,12 @@ with an OpenAI-style JSON error body; a request never reaches the engine
 before it has been fully validated.
 
 Threading: ``ThreadingHTTPServer`` reads and validates requests on one thread
-each; the engine is not thread-safe, so generation runs under one lock, one
-request at a time (a streaming request holds it until its last token). A
-client that goes away mid-stream aborts its request. Socket reads time out
-after ``read_timeout_s``, so a stalled client never pins a thread forever.
+each and hands them to an ``EngineLoop`` (``serving.py``): one thread owns the
+LLM and batches every request in flight, step by step; handler threads wait
+on their request's queue. A client that goes away mid-stream aborts its own
+sequence only. An engine error fails the requests in flight with a 500 and the
+server keeps serving. Socket reads time out after ``read_timeout_s``, so a
+stalled client never pins a thread forever.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from tierkv.engine.sampler import SamplingParams
+from tierkv.engine.serving import EngineLoop, EngineStopped, PromptRejected
 
 
 class RequestError(Exception):
@@ -141,15 +144,21 @@ def chat_prompt(body: dict) -> str:
 class EngineServer:
     """Serves one LLM over HTTP. ``start()`` runs it on a background thread; ``serve_forever()`` in the caller's.
 
-    ``on_request(prompt_ids, output, namespace)`` is called (under the engine
-    lock) after each finished request, e.g. to record namespaces and hits.
+    The engine loop thread starts with the server and owns the LLM until
+    ``shutdown()`` (or the end of ``serve_forever``). ``engine_lock`` is held
+    by that thread around each step, so whoever holds it sees the engine
+    between steps. ``on_request(prompt_ids, output, namespace)`` is called on
+    the loop thread, under ``engine_lock``, after each finished request, e.g.
+    to record namespaces and hits.
     """
 
     def __init__(self, llm, config: ServerConfig = ServerConfig(),
-                 on_request: Callable[[list[int], Any, str | None], None] | None = None) -> None:
+                 on_request: Callable[[list[int], Any, str | None], None] | None = None,
+                 drain_s: float = 30.0) -> None:
         self.llm = llm
         self.config = config
         self.on_request = on_request
+        self.drain_s = drain_s
         self.engine_lock = threading.Lock()
         self.counts: Counter = Counter()       # (endpoint, status) -> requests
         self.tokens: Counter = Counter()       # "prompt" / "completion" -> tokens
@@ -158,6 +167,7 @@ class EngineServer:
         handler = type("Handler", (_Handler,), {"app": self, "timeout": config.read_timeout_s})
         self.httpd = ThreadingHTTPServer((config.host, config.port), handler)
         self.httpd.daemon_threads = True
+        self.loop = EngineLoop(llm, self._finished, self.engine_lock)
         self._thread: threading.Thread | None = None
 
     @property
@@ -171,28 +181,47 @@ class EngineServer:
         return self
 
     def serve_forever(self) -> None:
-        self.httpd.serve_forever()
+        """Serve until interrupted; then requests in flight get up to ``drain_s`` to finish."""
+        try:
+            self.httpd.serve_forever()
+        finally:
+            self.loop.stop(self.drain_s)
 
     def shutdown(self) -> None:
-        """Stop accepting requests and close the socket (the LLM stays open: the caller owns it)."""
+        """Stop accepting requests, close the socket and stop the engine loop (requests in flight get up to
+        ``drain_s`` to finish). The LLM stays open: the caller owns it."""
         self.httpd.shutdown()
         self.httpd.server_close()
+        self.loop.stop(self.drain_s)
 
     def count(self, endpoint: str, status: int) -> None:
         with self.stats_lock:
             self.counts[(endpoint, status)] += 1
 
+    def stats(self) -> dict:
+        """Requests by (endpoint, status), tokens served, and the engine's batching; thread-safe."""
+        with self.stats_lock:
+            counts, tokens = dict(self.counts), dict(self.tokens)
+        return {"requests": counts, "prompt_tokens": tokens.get("prompt", 0),
+                "completion_tokens": tokens.get("completion", 0), "batch": self.loop.batch_stats()}
+
     def metrics_text(self) -> bytes:
         self.llm.store.stats()  # refreshes the usage gauges
         lines = ["# HELP tierkv_http_requests_total HTTP requests by endpoint and status",
                  "# TYPE tierkv_http_requests_total counter"]
-        with self.stats_lock:
-            counts, tokens = dict(self.counts), dict(self.tokens)
-        for (endpoint, status), n in sorted(counts.items()):
+        stats = self.stats()
+        for (endpoint, status), n in sorted(stats["requests"].items()):
             lines.append(f'tierkv_http_requests_total{{endpoint="{endpoint}",status="{status}"}} {n}')
         for kind in ("prompt", "completion"):
             lines += [f"# HELP tierkv_{kind}_tokens_total Tokens in {kind}s served",
-                      f"# TYPE tierkv_{kind}_tokens_total counter", f"tierkv_{kind}_tokens_total {tokens.get(kind, 0)}"]
+                      f"# TYPE tierkv_{kind}_tokens_total counter", f"tierkv_{kind}_tokens_total {stats[kind + '_tokens']}"]
+        batch = stats["batch"]
+        lines += ["# HELP tierkv_engine_steps_total Engine steps that sampled at least one token",
+                  "# TYPE tierkv_engine_steps_total counter", f"tierkv_engine_steps_total {batch['steps']}",
+                  "# HELP tierkv_engine_batch_size_max Most sequences that got a token in one step",
+                  "# TYPE tierkv_engine_batch_size_max gauge", f"tierkv_engine_batch_size_max {batch['max_batch']}",
+                  "# HELP tierkv_engine_batch_size_avg Sequences that got a token per step, on average",
+                  "# TYPE tierkv_engine_batch_size_avg gauge", f"tierkv_engine_batch_size_avg {batch['avg_batch']:.4f}"]
         return self.llm.store.metrics.exposition() + ("\n".join(lines) + "\n").encode()
 
     # -- generation (called from handler threads) ---------------------------------
@@ -208,28 +237,39 @@ class EngineServer:
                                "max_tokens", "context_length_exceeded")
 
     def generate(self, prompt, params: SamplingParams, namespace: str | None):
-        """One finished Output; RequestError (400) for a prompt the engine refuses (too long, bad ids)."""
-        with self.engine_lock:
-            try:
-                out = self.llm.generate([prompt], params, namespace=namespace)[0]
-            except ValueError as exc:  # the engine validates prompts before scheduling anything
-                raise RequestError(400, str(exc), "prompt") from None
-            self._finished(out, namespace)
-        return out
+        """One finished Output, batched with the other requests in flight; RequestError (400) for a prompt
+        the engine refuses (too long, bad ids), (503) while shutting down; an engine error is raised."""
+        req = self._submit(prompt, params, namespace, stream=False)
+        return self._next(req)
 
     def stream(self, prompt, params: SamplingParams, namespace: str | None) -> Iterator:
-        """Outputs token by token, holding the engine until the last one (or until the caller closes it)."""
-        with self.engine_lock:
-            last = None
-            outputs = self.llm.stream(prompt, params, namespace=namespace)
-            try:
-                first = next(outputs)
-            except ValueError as exc:
-                raise RequestError(400, str(exc), "prompt") from None
-            for out in itertools.chain([first], outputs):
-                last = out
+        """Outputs token by token; closing the iterator early aborts this request only."""
+        req = self._submit(prompt, params, namespace, stream=True)
+        done = False
+        try:
+            while not done:
+                out = self._next(req)
+                done = out.finish_reason is not None
                 yield out
-            self._finished(last, namespace)
+        finally:
+            if not done:
+                self.loop.cancel(req)
+
+    def _submit(self, prompt, params: SamplingParams, namespace: str | None, stream: bool):
+        try:
+            return self.loop.submit(prompt, params, namespace, stream)
+        except EngineStopped as exc:
+            raise RequestError(503, str(exc), kind="server_error", code="shutting_down") from None
+
+    def _next(self, req):
+        item = self.loop.next_output(req)
+        if isinstance(item, PromptRejected):
+            raise RequestError(400, str(item), "prompt")
+        if isinstance(item, EngineStopped):
+            raise RequestError(503, str(item), kind="server_error", code="shutting_down")
+        if isinstance(item, BaseException):
+            raise item
+        return item
 
     def _finished(self, out, namespace: str | None) -> None:
         with self.stats_lock:
