@@ -30,7 +30,7 @@ from _common import parser, print_table, write_json  # noqa: E402
 from tierkv.config import L4Config  # noqa: E402
 from tierkv.layout import KVLayout  # noqa: E402
 from tierkv.tiers.remote import open_remote  # noqa: E402
-from tierkv.tiers.remote.base import TRAILER_BYTES  # noqa: E402
+from tierkv.tiers.remote.codec import TRAILER_BYTES  # noqa: E402
 
 LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, block_size=16, dtype="float16")  # 512 KiB
 BATCH = 16

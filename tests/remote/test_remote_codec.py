@@ -1,4 +1,4 @@
-"""Value trailer, MAC and circuit breaker: pure, no server."""
+"""Value trailer (codec.py), MAC, circuit breaker and deadline: pure, no server."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ from _kv import LAYOUT, ODD_LAYOUT, block_for, key_of, same_bytes
 
 from tierkv.config import L4Config
 from tierkv.tiers.remote import open_remote
-from tierkv.tiers.remote.base import (
-    CORRUPT, FOREIGN, LAYOUT as LAYOUT_VERDICT, OK, TRUNCATED, UNAUTHENTICATED,
-    TRAILER_BYTES, CircuitBreaker, Deadline, RemoteUnavailable, ValueCodec)
 from tierkv.tiers.base import as_bytes
+from tierkv.tiers.remote.base import CircuitBreaker, Deadline, RemoteUnavailable
+from tierkv.tiers.remote.codec import (
+    CORRUPT, FOREIGN, LAYOUT as LAYOUT_VERDICT, OK, TRAILER_BYTES, TRUNCATED, UNAUTHENTICATED, ValueCodec)
 
 
 def encode(codec: ValueCodec, key: bytes, layout=LAYOUT) -> bytearray:
@@ -169,7 +169,7 @@ def test_urls_in_stats_never_show_a_password():
 def test_checksum_by_address_matches_the_python_api(monkeypatch):
     # Tensors are hashed through xxhash's exported XXH3_64bits by address when it is there;
     # both routes must give the same trailer and the same verdicts, for every dtype.
-    from tierkv.tiers.remote import base
+    from tierkv.tiers.remote import codec as base
 
     codec, key = ValueCodec(LAYOUT, "k"), key_of("addr")
     block = block_for(key, LAYOUT)

@@ -18,7 +18,7 @@ from _kv import LAYOUT, block_for, key_of, same_bytes
 
 from tierkv.config import L4Config
 from tierkv.tiers.remote import open_remote
-from tierkv.tiers.remote.base import TRAILER_BYTES, ValueCodec
+from tierkv.tiers.remote.codec import TRAILER_BYTES, ValueCodec
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -17,7 +17,7 @@ from tierkv.config import L4Config
 from tierkv.index import Tier
 from tierkv.layout import KVLayout
 from tierkv.store import TierKVStore
-from tierkv.tiers.remote.base import ValueCodec
+from tierkv.tiers.remote.codec import ValueCodec
 
 pytestmark = pytest.mark.timeout(120)
 

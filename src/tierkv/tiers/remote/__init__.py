@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from tierkv.config import L4Config
 from tierkv.layout import KVLayout
-from tierkv.tiers.remote.base import TRAILER_BYTES, CircuitBreaker, FailureHook, RemoteTier
+from tierkv.tiers.remote.base import CircuitBreaker, FailureHook, RemoteTier
+from tierkv.tiers.remote.codec import TRAILER_BYTES
 
 __all__ = ["RemoteTier", "open_backend", "open_remote"]
 

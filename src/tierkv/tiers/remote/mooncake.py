@@ -58,7 +58,8 @@ from tierkv.tiers.remote import rdma
 import torch
 
 from tierkv.tiers.base import as_bytes
-from tierkv.tiers.remote.base import TRAILER_BYTES, Deadline, RemoteUnavailable
+from tierkv.tiers.remote.base import Deadline, RemoteUnavailable
+from tierkv.tiers.remote.codec import TRAILER_BYTES
 from tierkv.tiers.remote.regions import TrailerPages, Regions, address
 
 DEFAULT_METADATA_PORT = 8080

@@ -27,7 +27,8 @@ from urllib.parse import urlsplit, urlunsplit
 import torch
 
 from tierkv.tiers.base import as_bytes
-from tierkv.tiers.remote.base import TRAILER_BYTES, RemoteUnavailable
+from tierkv.tiers.remote.base import RemoteUnavailable
+from tierkv.tiers.remote.codec import TRAILER_BYTES
 from tierkv.tiers.remote.resp import ERROR, ReplyReader
 
 

@@ -14,7 +14,8 @@ import threading
 
 import numpy as np
 
-from tierkv.tiers.remote.base import TRAILER_BYTES, RemoteUnavailable
+from tierkv.tiers.remote.base import RemoteUnavailable
+from tierkv.tiers.remote.codec import TRAILER_BYTES
 
 
 def address(buf: memoryview | mmap.mmap) -> int:

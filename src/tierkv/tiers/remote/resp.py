@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import socket
 
-from tierkv.tiers.remote.base import TRAILER_BYTES, RemoteUnavailable
+from tierkv.tiers.remote.base import RemoteUnavailable
+from tierkv.tiers.remote.codec import TRAILER_BYTES
 
 ERROR = -2  # ``bulk`` length for an error reply to one command (e.g. WRONGTYPE)
 _CRLF = b"\r\n"
