@@ -82,3 +82,21 @@ def test_info_lists_the_directories_damaged_files_were_moved_into(cache):
     line = next(x for x in r.out.splitlines() if "damaged" in x)
     assert line == (f"l3: 2 directories of damaged files moved aside at start ({human_bytes(total)}) in {l3}: "
                     f"{aside[0].name}, {aside[1].name}; delete them once inspected")
+
+
+def test_evict_all_clears_a_damaged_directory(cache):
+    # --all exists to clear L3: damage must not stand in its way (it used to be the one error).
+    populate(cache)
+    l3 = cache / "l3"
+    os.truncate(l3 / "index" / "data.mdb", 2 * 4096)
+    r = run_tierkv("evict", "--all", "--json", "--cache-dir", str(cache))
+    assert r.code == 0, r.err
+    report = r.json()
+    assert report["removed"] == 0 and report["left"] == 0 and "is damaged" in report["damaged"]
+    assert sorted(p.name for p in l3.iterdir()) == ["open.lock"]
+    # The directory is usable again at once: a store fills it without moving anything aside.
+    store = TierKVStore(store_config(cache), LAYOUT, l1_blocks=0)
+    assert store.stats()["failures"] == {} and store.l3.used == 0
+    store.close()
+    r = run_tierkv("ls", "--cache-dir", str(cache))
+    assert r.code == 0, r.err

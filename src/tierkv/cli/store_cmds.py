@@ -18,6 +18,7 @@ from tierkv.cli.common import (
     print_json, settings,
 )
 from tierkv.snapshot import SnapshotError, export_l3, import_l3, read_manifest
+from tierkv.tiers.disk_open import DamagedL3
 
 
 def _open(s):
@@ -184,22 +185,33 @@ def evict_cmd(
     if json_out:
         print_json(report)
     else:
-        console.print(f"evicted {report['removed']} blocks ({human_bytes(report['bytes'])}) from {s.l3_path}; "
-                      f"{report['left']} left")
+        if "damaged" in report:
+            console.print(f"cleared {s.l3_path}, which was damaged ({report['damaged']}); 0 left", markup=False)
+        else:
+            console.print(f"evicted {report['removed']} blocks ({human_bytes(report['bytes'])}) from {s.l3_path}; "
+                          f"{report['left']} left")
 
 
 def evict_all(l3_path: Path) -> dict:
-    found = stored_layout(l3_path)
+    """Remove the L3 index, slot file and catalog; a damaged directory is cleared too (its block
+    count unknown, reported as 0 with the damage). The damaged-* directories stay for inspection."""
     removed = nbytes = 0
-    if found is not None:
-        l3 = open_l3(l3_path)
-        removed = l3.used
-        nbytes = removed * l3.block_bytes
-        l3.close()
+    damaged = None
+    try:
+        if stored_layout(l3_path) is not None:
+            l3 = open_l3(l3_path)
+            removed = l3.used
+            nbytes = removed * l3.block_bytes
+            l3.close()
+    except DamagedL3 as exc:  # clearing is what --all is for
+        damaged = str(exc)
     for name in ("index", "catalog"):
         shutil.rmtree(l3_path / name, ignore_errors=True)
     (l3_path / "slots.bin").unlink(missing_ok=True)
-    return {"path": str(l3_path), "removed": removed, "bytes": nbytes, "left": 0}
+    report = {"path": str(l3_path), "removed": removed, "bytes": nbytes, "left": 0}
+    if damaged is not None:
+        report["damaged"] = damaged
+    return report
 
 
 def evict_some(s, namespaces: set[str], cutoff: float | None) -> dict:

@@ -44,9 +44,13 @@ class Damaged(Exception):
         self.reason, self.lost, self.what = reason, lost, what
 
 
-def damaged_error(path: Path, what: str) -> ValueError:
-    """The error an offline opener (``create=False``, the ``tierkv`` tools) gets for a damaged ``path``."""
-    return ValueError(f"l3.path: {path} is damaged ({what}); a store started on it moves the damaged files aside")
+class DamagedL3(ValueError):
+    """What an offline opener (``create=False``, the ``tierkv`` tools) gets for a damaged L3 directory."""
+
+
+def damaged_error(path: Path, what: str) -> DamagedL3:
+    """The error an offline opener gets for a damaged ``path`` (a ValueError naming ``l3.path``)."""
+    return DamagedL3(f"l3.path: {path} is damaged ({what}); a store started on it moves the damaged files aside")
 
 
 def open_checked(path: Path, attempt: Callable[[], None], create: bool, report: DamageReport) -> None:
