@@ -35,6 +35,19 @@ def make_node(tmp_path, name: str, layout: KVLayout, url: str, l1: int = 8, l2: 
     return TierKVStore(cfg, layout, l1_blocks=l1)
 
 
+def two_nodes(tmp_path, layout: KVLayout, url: str, **l4) -> tuple[TierKVStore, TierKVStore]:
+    """Nodes A and B: own L1-L3 (own L3 directories), one shared pool at ``url``."""
+    return make_node(tmp_path, "a", layout, url, **l4), make_node(tmp_path, "b", layout, url, **l4)
+
+
+def saved_in_l4(store: TierKVStore, seed: int, num_blocks: int, layout: KVLayout) -> tuple[list[int], list[bytes]]:
+    """A prompt of ``num_blocks`` blocks saved on ``store`` and evicted down into L4: (tokens, keys)."""
+    tokens = prompt(seed, num_blocks, layout)
+    keys = save_prompt(store, tokens)
+    push_to_l4(store, keys, layout)
+    return tokens, keys
+
+
 def drain(store: TierKVStore) -> None:
     """Wait until every L4 put queued so far has been sent (they run on the IO thread, in order)."""
     store.transfer.io(lambda: None).result(timeout=60)
@@ -69,12 +82,9 @@ def load_into_l1(store: TierKVStore, tokens: list[int]):
 
 
 def test_node_b_hits_what_node_a_saved(pool, tmp_path, layout):
-    a = make_node(tmp_path, "a", layout, pool.url)
-    b = make_node(tmp_path, "b", layout, pool.url)
+    a, b = two_nodes(tmp_path, layout, pool.url)
     try:
-        tokens = prompt(1, 6, layout)
-        keys = save_prompt(a, tokens)
-        push_to_l4(a, keys, layout)
+        tokens, keys = saved_in_l4(a, 1, 6, layout)
         m, slots, result = load_into_l1(b, tokens)
         assert m.tiers == [Tier.L4] * 6
         assert result.ok == [True] * 6 and all(result.adopted)
@@ -93,12 +103,9 @@ def test_node_b_hits_what_node_a_saved(pool, tmp_path, layout):
 
 
 def test_server_killed_mid_run_is_misses_then_hits_resume(pool, tmp_path, layout):
-    a = make_node(tmp_path, "a", layout, pool.url, breaker_failures=2, breaker_reset_s=1.0)
-    b = make_node(tmp_path, "b", layout, pool.url, breaker_failures=2, breaker_reset_s=1.0)
+    a, b = two_nodes(tmp_path, layout, pool.url, breaker_failures=2, breaker_reset_s=1.0)
     try:
-        tokens = prompt(2, 4, layout)
-        keys = save_prompt(a, tokens)
-        push_to_l4(a, keys, layout)
+        tokens, keys = saved_in_l4(a, 2, 4, layout)
         m = b.lookup(tokens)
         assert m.tiers == [Tier.L4] * 4
         pool.kill()
@@ -176,12 +183,9 @@ def test_planted_values_are_counted_misses(pool, tmp_path, layout):
 @pytest.mark.parametrize("kind", ["redis_cluster", "redis_tls"])
 def test_cluster_and_tls_schemes_share_between_nodes(kind, request, tmp_path, layout):
     server = request.getfixturevalue(kind)
-    a = make_node(tmp_path, "a", layout, server.url)
-    b = make_node(tmp_path, "b", layout, server.url)
+    a, b = two_nodes(tmp_path, layout, server.url)
     try:
-        tokens = prompt(5, 3, layout)
-        keys = save_prompt(a, tokens)
-        push_to_l4(a, keys, layout)
+        tokens, keys = saved_in_l4(a, 5, 3, layout)
         _, slots, result = load_into_l1(b, tokens)
         assert result.ok == [True] * 3
         assert all(same_bytes(b.l1.block(s), block_for(k, layout)) for k, s in zip(keys, slots))
