@@ -131,11 +131,7 @@ class StoreWrites:
                 self._on_failure("l4", "put_dropped", 1, f"{L4_MAX_QUEUED} L4 puts already queued")
                 return False
             self._l4_queued += 1
-        if src.device.type == "cpu":
-            copy = torch.empty(src.shape, dtype=src.dtype)
-            copy_block(copy, src)
-        else:
-            copy = src.to("cpu")
+        copy = _cpu_copy(src)
         with self._l4_lock:
             self._l4_pending.append((key, copy, lineage[0]))
             start, self._l4_sending = not self._l4_sending, True
@@ -172,15 +168,20 @@ class StoreWrites:
             if src is None:
                 continue
             self.transfer.d2h_sync()
-            copy = torch.empty(src.shape, dtype=src.dtype)
-            if src.device.type == "cpu":
-                copy_block(copy, src)
-            else:
-                copy.copy_(src)
-            out.append((entry.key, copy, Lineage(entry.parent, entry.depth)))
+            out.append((entry.key, _cpu_copy(src), Lineage(entry.parent, entry.depth)))
         return out
 
     def _send_l4(self, keys, blocks, lineage) -> None:
         """IO thread, outside the lock: one batched L4 put; failures are counted by the tier."""
         ok = self.l4.put(list(keys), list(blocks), list(lineage))
         self.metrics.add("bytes", ("l4", "write"), sum(ok) * self.layout.block_bytes)
+
+
+def _cpu_copy(src: torch.Tensor) -> torch.Tensor:
+    """A private CPU copy of a block (from L1 on any device, L2 or L3), for a queued L4 put."""
+    copy = torch.empty(src.shape, dtype=src.dtype)
+    if src.device.type == "cpu":
+        copy_block(copy, src)
+    else:
+        copy.copy_(src)
+    return copy

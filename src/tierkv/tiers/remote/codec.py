@@ -24,7 +24,7 @@ import torch
 import xxhash
 
 from tierkv.layout import KVLayout
-from tierkv.tiers.base import copy_block
+from tierkv.tiers.base import as_bytes, copy_block
 
 MAGIC = b"TKV4"
 VERSION = 2  # 1 was header-first
@@ -116,9 +116,8 @@ class ValueCodec:
 
 
 def _raw(block):
-    """A contiguous CPU block's bytes as a buffer, without a copy (any dtype: numpy has no
-    bfloat16); a buffer is returned as it is."""
-    return block.view(torch.uint8).numpy() if isinstance(block, torch.Tensor) else block
+    """A contiguous CPU block's bytes as a buffer (``as_bytes``: no copy, any dtype); a buffer as it is."""
+    return as_bytes(block) if isinstance(block, torch.Tensor) else block
 
 
 def _nbytes(payload) -> int:
