@@ -312,8 +312,9 @@ def test_l4_put_queue_is_capped_and_drains_after_a_hang(redis_server, tmp_path, 
         marker.result(timeout=30)
         s = node.stats()
         assert s["failures"] == {"l4_put_dropped": extra}  # the queued ones neither timed out nor failed
-        # Two batched puts: the one that waited on the hung server, then everything queued meanwhile.
-        assert s["l4"]["calls"] - calls == 2
+        # Batched puts, not one per block: the IO thread takes whatever is queued when it wakes
+        # (one block or all of them, as the scheduler decides) and, after the hang, the rest at once.
+        assert s["l4"]["calls"] - calls in (1, 2)
         assert s["bytes"]["l4_write"] == L4_MAX_QUEUED * layout.block_bytes
         assert node.l4.contains(keys) == [True] * L4_MAX_QUEUED + [False] * extra
         dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in range(2)]
