@@ -31,6 +31,7 @@ from tierkv.tiers.base import Lineage
 from tierkv.tiers.device import DeviceTier, OutOfBlocks
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.host import HostTier
+from tierkv.tiers.remote import trailer_room
 from tierkv.store_writes import StoreWrites
 from tierkv.transfer import LoadHandle, LoadResult, TransferEngine, gather_futures, now
 
@@ -91,7 +92,9 @@ class TierKVStore(StoreWrites):
         self._seeds: dict[tuple, bytes] = {}
         self._lock = threading.RLock()
         n1 = cfg.l1.num_blocks if l1_blocks is None else l1_blocks
-        self.l1 = DeviceTier(layout, n1, cfg.l1.device) if n1 > 0 else None
+        # With a Mooncake L4 each CPU slot keeps room for a value trailer: values land in one piece.
+        room = trailer_room(cfg.l4.url) if cfg.l4.url else 0
+        self.l1 = DeviceTier(layout, n1, cfg.l1.device, slot_room=room) if n1 > 0 else None
         n2 = cfg.l2.capacity // layout.block_bytes
         self.l2 = HostTier(layout, n2, cfg.l2.shared_name, cfg.l2.pin) if n2 > 0 else None
         n3 = cfg.l3.capacity // layout.block_bytes
@@ -129,9 +132,10 @@ class TierKVStore(StoreWrites):
         tier = open_remote(self.config.l4, self.layout, self._on_failure)
         # Loads from L4 land in L1 slots (or L2 slots): registered once, a pool client that moves
         # data by registered memory (Mooncake) fills them without a staging copy.
-        for memory in (self.l1.pool if self.l1 is not None else None, self.l2.slab if self.l2 is not None else None):
-            if memory is not None:
-                tier.register(memory)
+        if self.l1 is not None:
+            tier.register(self.l1.pool, room=self.l1.slot_room)
+        if self.l2 is not None:
+            tier.register(self.l2.slab)
         return tier
 
     def _on_failure(self, tier: str, reason: str, n: int, detail: str) -> None:

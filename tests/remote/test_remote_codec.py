@@ -182,3 +182,32 @@ def test_checksum_by_address_matches_the_python_api(monkeypatch):
     out = torch.empty(LAYOUT.block_shape, dtype=LAYOUT.torch_dtype)
     as_bytes(out)[:] = value[:LAYOUT.block_bytes]
     assert codec.verify(key, len(value), bytes(value[LAYOUT.block_bytes:]), out) == OK
+
+
+def test_regions_know_which_slots_have_room_for_a_trailer():
+    from tierkv.tiers.remote.regions import Regions
+
+    block, slot = 4096, 8192
+    r = Regions()
+    r.add(1 << 20, 4 * slot, slot_bytes=slot)  # four slots with room
+    r.add(1 << 24, 4 * block)                  # blocks back to back
+    starts = [(1 << 20) + i * slot for i in range(4)]
+    assert r.with_room(starts, block) and r.covers(starts, block)
+    assert not r.with_room([starts[0] + 64], block)            # not a slot start
+    assert not r.with_room([(1 << 24) + block], block)          # registered, but no room
+    assert r.covers([(1 << 24) + block], block)
+    assert not r.with_room(starts, slot)                        # a block as large as the slot: no room left
+    assert not r.with_room([(1 << 20) + 4 * slot], block) and not r.covers([1 << 19], block)  # outside
+    r.remove(1 << 20)
+    assert not r.with_room(starts[:1], block) and not r.covers(starts[:1], block)
+
+
+def test_registering_room_that_the_slots_do_not_have_is_refused():
+    tier = open_remote(L4Config(url="redis://127.0.0.1:1/0", timeout_ms=100), LAYOUT)
+    try:
+        dense = torch.empty((4, *LAYOUT.block_shape), dtype=LAYOUT.torch_dtype)
+        with pytest.raises(ValueError, match="room=64"):
+            tier.register(dense, room=64)
+        tier.register(dense)  # no room claimed: fine
+    finally:
+        tier.close()

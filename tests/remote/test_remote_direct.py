@@ -1,7 +1,8 @@
 """The zero-staging paths against real servers: payloads straight into and out of the caller's blocks.
 
-Mooncake moves blocks in registered memory with two-piece transfers (block in
-place + trailer page); Redis GET replies are parsed by tierkv and received
+Mooncake moves blocks in registered memory in one piece where each block has
+room for its trailer after it (the store's L1 pool), else with two-piece
+transfers (block in place + trailer page); Redis GET replies are parsed by tierkv and received
 straight into the block. Both must give the same bytes and the same verdicts
 as the staged paths, never write a caller's block after returning, and keep
 their connections usable after odd replies.
@@ -17,6 +18,7 @@ import torch
 from _kv import LAYOUT, block_for, key_of, same_bytes
 
 from tierkv.config import L4Config
+from tierkv.tiers.device import DeviceTier
 from tierkv.tiers.remote import open_remote
 from tierkv.tiers.remote.codec import TRAILER_BYTES, ValueCodec
 
@@ -40,15 +42,27 @@ def pool_tensor(n: int) -> torch.Tensor:
     return t
 
 
-def test_registered_blocks_move_directly_and_read_back_either_way(pool):
+def room_pool(n: int) -> DeviceTier:
+    """The store's L1 pool with a Mooncake L4: each slot keeps room for a trailer after its block."""
+    l1 = DeviceTier(LAYOUT, n, "cpu", slot_room=TRAILER_BYTES)
+    l1.pool.view(torch.int16).fill_(-1)
+    return l1
+
+
+@pytest.mark.parametrize("memory", ["dense", "room"])
+def test_registered_blocks_move_directly_and_read_back_either_way(pool, memory):
     keys = [key_of("direct", i) for i in range(40)]  # more than one 32-value chunk
-    src, dst = pool_tensor(40), pool_tensor(40)
+    if memory == "dense":
+        src, dst, room = pool_tensor(40), pool_tensor(40), 0
+    else:
+        src_l1, dst_l1 = room_pool(40), room_pool(40)
+        src, dst, room = src_l1.pool, dst_l1.pool, src_l1.slot_room
     for i, k in enumerate(keys):
         src[i].copy_(block_for(k, LAYOUT))
     writer, reader = tier_for(pool.url), tier_for(pool.url)
     try:
-        writer.register(src)
-        reader.register(dst)
+        writer.register(src, room=room)
+        reader.register(dst, room=room)
         assert writer.put(keys, list(src)) == [True] * 40
         assert reader.get(keys, list(dst)) == [True] * 40
         assert all(same_bytes(dst[i], src[i]) for i in range(40))
@@ -63,8 +77,11 @@ def test_registered_blocks_move_directly_and_read_back_either_way(pool):
         assert all(same_bytes(dst[i], block_for(k, LAYOUT)) for i, k in enumerate(more))
         s = reader.stats()
         if s["backend"] == "mooncake":
-            assert s["direct_calls"] >= 3 and s["staged_calls"] >= 1
-            assert s["registered_bytes"] == dst.numel() * dst.element_size()
+            moved = s["in_place_calls"] if room else s["direct_calls"]
+            assert moved >= 3 and s["staged_calls"] >= 1
+            assert s["in_place_calls" if not room else "direct_calls"] == 0
+            assert s["registered_bytes"] == 40 * (LAYOUT.block_bytes + room)
+            assert writer.stats()["in_place_calls" if room else "direct_calls"] == 2  # 32 + 8 values
         assert s["hits"] == 83 and s["bad_values"] == 0
     finally:
         writer.close()
@@ -92,6 +109,40 @@ def test_odd_values_in_a_direct_batch_get_their_own_verdicts(pool):
         assert s["bad_values"] == 3 and s["misses"] == 4
         # The connection and client are still good for the next batch.
         assert tier.get(keys[:2], list(dst[:2])) == [True, True]
+    finally:
+        tier.close()
+
+
+def test_a_value_landing_in_place_never_writes_past_its_slot_room(mooncake_pool):
+    # Every other slot is a destination; the slots between them hold live blocks that nothing may
+    # touch, whatever arrives: good values, a longer one, a truncated one, a tiny one, a missing one.
+    tier = tier_for(mooncake_pool.url)
+    l1 = room_pool(12)
+    tier.register(l1.pool, room=l1.slot_room)
+    try:
+        keys = [key_of("room", i) for i in range(6)]
+        good = [block_for(k, LAYOUT) for k in keys]
+        assert tier.put(keys[:2], good[:2]) == [True, True]
+        codec = ValueCodec(LAYOUT)
+        whole = bytearray(codec.value_bytes)
+        codec.encode_into(keys[2], good[2], memoryview(whole))
+        mooncake_pool.plant(tier.key_name(keys[2]), bytes(whole[:-7]))                 # truncated
+        mooncake_pool.plant(tier.key_name(keys[3]), bytes(whole) + b"m" * 5000)        # longer than slot + room
+        mooncake_pool.plant(tier.key_name(keys[4]), b"x" * 5)                          # shorter than a trailer
+        # keys[5] is missing
+        live = {2 * i + 1: block_for(key_of("live", i), LAYOUT) for i in range(6)}
+        for slot, block in live.items():
+            l1.block(slot).copy_(block)
+        dst = [l1.block(2 * i) for i in range(6)]
+        assert tier.get(keys, dst) == [True, True, False, False, False, False]
+        assert same_bytes(dst[0], good[0]) and same_bytes(dst[1], good[1])
+        assert all(same_bytes(l1.block(slot), block) for slot, block in live.items()), "a neighbour was written"
+        s = tier.stats()
+        assert s["bad_values"] == 3 and s["misses"] == 4 and s["in_place_calls"] >= 1
+        # The room past the block held the trailer: the stored value is block || trailer.
+        room = torch.frombuffer(l1._mm, dtype=torch.uint8)[LAYOUT.block_bytes:LAYOUT.block_bytes + 4]
+        assert bytes(room.tolist()) == b"TKV4"
+        assert tier.get(keys[:2], dst[:2]) == [True, True]
     finally:
         tier.close()
 

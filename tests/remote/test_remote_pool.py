@@ -17,7 +17,7 @@ from tierkv.config import L4Config
 from tierkv.index import Tier
 from tierkv.layout import KVLayout
 from tierkv.store import TierKVStore
-from tierkv.tiers.remote.codec import ValueCodec
+from tierkv.tiers.remote.codec import TRAILER_BYTES, ValueCodec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -92,8 +92,9 @@ def test_node_b_hits_what_node_a_saved(pool, tmp_path, layout):
             assert same_bytes(b.l1.block(slot), block_for(key, layout))
         s = b.stats()["l4"]
         assert s["hits"] == 6
-        if s["backend"] == "mooncake":  # the store registered its L1 pool: the load landed in place
-            assert s["direct_calls"] >= 1 and s["staged_calls"] == 0
+        if s["backend"] == "mooncake":  # the store registered its L1 pool with room: whole values landed in place
+            assert s["in_place_calls"] >= 1 and s["direct_calls"] == 0 and s["staged_calls"] == 0
+            assert b.l1.slot_room >= TRAILER_BYTES
         b.release(m)
         # A second lookup on B is served locally now.
         assert b.lookup(tokens, pin=False).tiers == [Tier.L1] * 6

@@ -31,15 +31,31 @@ def resolve_device(name: str) -> torch.device:
 class DeviceTier:
     name = "l1"
 
-    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "auto") -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "auto",
+                 slot_room: int = 0) -> None:
+        """``slot_room``: bytes the CPU pool keeps free after every block (0: blocks back to back).
+
+        A remote pool that moves registered memory (Mooncake) lands a whole
+        value, block and trailer, in one piece when each slot has room for the
+        trailer after its block (``tiers.remote.trailer_room``). Slots stay
+        page-aligned (the room is rounded up to a page), so L3 reads still
+        land in them with O_DIRECT. Ignored on CUDA (a CUDA pool is never
+        registered with a pool client); ``slot_bytes`` says what was used.
+        """
+        if slot_room < 0:
+            raise ValueError(f"l1 slot_room: expected >= 0 bytes, got {slot_room}")
         self.layout = layout
         self.device = resolve_device(device) if isinstance(device, str) else device
         if self.device.type == "cpu":
             # Page-aligned so L3 reads land in L1 slots with O_DIRECT and no bounce copy.
-            self._mm = mmap.mmap(-1, max(1, num_blocks * layout.block_bytes))
-            flat = torch.frombuffer(self._mm, dtype=torch.uint8, count=num_blocks * layout.block_bytes)
-            self.pool = flat.view(layout.torch_dtype).view(layout.pool_shape(num_blocks))
+            self.slot_bytes = _round_up(layout.block_bytes + slot_room, mmap.PAGESIZE) if slot_room else layout.block_bytes
+            self._mm = mmap.mmap(-1, max(1, num_blocks * self.slot_bytes))
+            flat = torch.frombuffer(self._mm, dtype=layout.torch_dtype, count=num_blocks * self.slot_bytes // layout.itemsize)
+            shape = layout.pool_shape(num_blocks)
+            dense = torch.empty(shape, dtype=layout.torch_dtype, device="meta").stride()
+            self.pool = flat.as_strided(shape, (self.slot_bytes // layout.itemsize, *dense[1:]))
         else:
+            self.slot_bytes = layout.block_bytes
             self.pool = torch.zeros(layout.pool_shape(num_blocks), dtype=layout.torch_dtype, device=self.device)
         # Pop from the end; lowest slot ids first keeps tests' block ids predictable.
         self._free = list(range(num_blocks - 1, -1, -1))
@@ -78,5 +94,14 @@ class DeviceTier:
             self._free.append(slot)
 
     def block(self, slot: int) -> torch.Tensor:
-        """A view of one slot's canonical block (no copy)."""
+        """A view of one slot's canonical block (no copy; contiguous, whatever the slot room)."""
         return self.pool[slot]
+
+    @property
+    def slot_room(self) -> int:
+        """Bytes after each block that belong to no block (a remote pool may write value trailers there)."""
+        return self.slot_bytes - self.layout.block_bytes
+
+
+def _round_up(n: int, step: int) -> int:
+    return -(-n // step) * step

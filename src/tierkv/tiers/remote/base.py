@@ -159,10 +159,11 @@ class RemoteBackend(Protocol):
         written into ``blocks``.
         """
 
-    def register(self, ptr: int, nbytes: int) -> None:
+    def register(self, ptr: int, nbytes: int, slot_bytes: int = 0) -> None:
         """Tell the client that ``[ptr, ptr + nbytes)`` will be a source or destination, so it can
         move data there without staging (RDMA/TCP registration). The memory must outlive the
-        backend. A no-op for clients that need none."""
+        backend. ``slot_bytes`` > 0: the memory is slots of that size, each a block followed by
+        room the backend may write a trailer into. A no-op for clients that need none."""
 
     def delete(self, names: list[str]) -> None: ...
 
@@ -273,14 +274,26 @@ class RemoteTier:
         self._count(bytes_written=sum(ok) * codec.payload_bytes)
         return list(ok)
 
-    def register(self, memory: torch.Tensor) -> None:
-        """Register a long-lived CPU tensor (the store's L1 pool, L2 slab) that blocks are put from
-        and got into, so the backend moves them without staging copies. The caller keeps it alive
-        until ``close``. A CUDA tensor is ignored (its blocks travel through CPU bounce buffers)."""
-        if memory.device.type != "cpu" or not memory.is_contiguous():
+    def register(self, memory: torch.Tensor, room: int = 0) -> None:
+        """Register a long-lived CPU pool of blocks (the store's L1 pool, L2 slab), ``memory[i]``
+        one block, that blocks are put from and got into, so the backend moves them without
+        staging copies. The caller keeps it alive until ``close``.
+
+        ``room``: the pool keeps that many bytes free after every block (``DeviceTier``'s
+        ``slot_room``) and lets the tier write there: a backend may then land a whole value,
+        block and trailer, in one piece. Pass it only for memory whose room no block uses.
+        A CUDA tensor is ignored (its blocks travel through CPU bounce buffers), as is a pool
+        whose blocks are not each contiguous.
+        """
+        if memory.device.type != "cpu" or memory.dim() < 2 or not memory[0].is_contiguous():
             return
+        slot = memory.stride(0) * memory.element_size()
+        block = memory[0].numel() * memory.element_size()
+        if room and slot != block + room:
+            raise ValueError(f"l4 register: room={room} needs slots of {block + room} bytes, these are {slot}")
         try:
-            self.backend.register(memory.data_ptr(), memory.numel() * memory.element_size())
+            nbytes = (memory.shape[0] - 1) * slot + block + room  # the last slot's room included
+            self.backend.register(memory.data_ptr(), nbytes, slot if room else 0)
         except (RemoteUnavailable, *self.backend.errors) as exc:  # its blocks are staged instead
             self._on_failure(self.name, "register", 0, f"{self.backend.url}: {exc!r}")
 

@@ -18,13 +18,19 @@ URL: ``mooncake://MASTER_HOST:PORT[?option=value&...]``. Options:
 - ``staging``: values per batch in the registered staging buffer (default 32).
 
 Blocks in memory registered with ``register`` (the store registers its L1
-pool and L2 slab) move without a staging copy: ``batch_put_from_multi_buffers``
-sends a value as the block in place plus its 64-byte trailer (from a small
-registered trailer page), and ``batch_get_into_multi_buffers`` lands the
-payload straight in the caller's block and the trailer in a trailer page; the
-tier then verifies the block in place. (Payload first: Mooncake moves a
-value whose large piece starts it about 5 % faster than one that starts with
-a small piece.) Such a direct call runs on the caller's thread and returns only
+pool and L2 slab) move without a staging copy. Where each block is followed
+by room for its trailer (the store's L1 pool when L4 is Mooncake:
+``DeviceTier(slot_room=...)``), a value moves in one piece: the trailer is
+written into the room and ``batch_put_from`` sends block and trailer as one
+value; ``batch_get_into`` lands the whole value in the slot, trailer in the
+room. Elsewhere ``batch_put_from_multi_buffers`` sends a value as the block in
+place plus its 64-byte trailer (from a small registered trailer page), and
+``batch_get_into_multi_buffers`` lands the payload straight in the caller's
+block and the trailer in a trailer page: a second transfer per value, which
+costs 5-7 % over TCP. Either way the tier verifies the block in place.
+(Payload first: Mooncake moves a value whose large piece starts it about 5 %
+faster than one that starts with a small piece.) Such a direct call runs on
+the caller's thread and returns only
 when Mooncake is done with the caller's memory, so a late transfer can never
 write into a block the caller has since reused; it is bounded by Mooncake's own
 RPC and TCP timeouts, which tierkv sets from ``l4.timeout_ms`` unless the
@@ -45,6 +51,7 @@ Connecting is lazy and retried (through the tier's breaker) when it fails.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import os
@@ -159,7 +166,7 @@ class MooncakeBackend:
         self._regions = Regions()  # caller memory registered with the client (and again on reconnect)
         self._tails = TrailerPages(TRAILER_PAGES, self.opts.staging, self.timeout_s)
         self._direct = 0  # direct calls running, so close() waits for them
-        self.calls = {"direct": 0, "staged": 0}  # transfer calls by path, for stats
+        self.calls = {"in_place": 0, "direct": 0, "staged": 0}  # transfer calls by path, for stats
         self._direct_done = threading.Condition()
         bound_client_timeouts(timeout_ms)
 
@@ -203,14 +210,15 @@ class MooncakeBackend:
                 self._regions.remove(ptr)  # its blocks go through staging instead
         self._store = store
 
-    def register(self, ptr: int, nbytes: int) -> None:
-        """Register caller memory now when connected (else at connect). A failure leaves it staged."""
+    def register(self, ptr: int, nbytes: int, slot_bytes: int = 0) -> None:
+        """Register caller memory now when connected (else at connect). A failure leaves it staged.
+        ``slot_bytes`` > 0: slots of that size with trailer room after each block (one-piece values)."""
         with self._connect_lock:
             if self._store is not None:
                 rc = self._connect_deadline.run(self._store.register_buffer, ptr, nbytes)
                 if rc != 0:
                     raise RemoteUnavailable(f"registering {nbytes} bytes failed with code {rc}")
-            self._regions.add(ptr, nbytes)
+            self._regions.add(ptr, nbytes, slot_bytes)
 
     def _client(self):
         """The connected store, connecting first when needed (bounded by the connect deadline)."""
@@ -249,24 +257,24 @@ class MooncakeBackend:
     def _in_registered(self, blocks: list[torch.Tensor]) -> list[int] | None:
         """The blocks' addresses when every one lies in registered memory, else None."""
         ptrs = [b.data_ptr() for b in blocks]
-        nbytes = blocks[0].numel() * blocks[0].element_size() if blocks else 0
-        return ptrs if self._regions.covers(ptrs, nbytes) else None
+        return ptrs if self._regions.covers(ptrs, _nbytes(blocks[0]) if blocks else 0) else None
 
-    def _direct_call(self, fn: Callable, *args):
-        """``fn(page, *args)`` on this thread with one borrowed trailer page.
+    def _direct_call(self, fn: Callable, *args, in_place: bool = False):
+        """``fn(page, *args)`` on this thread with one borrowed trailer page (none, -1, ``in_place``).
 
         Returns once Mooncake is done with the caller's memory; bounded by
         Mooncake's own timeouts (``bound_client_timeouts``), not by a Deadline.
         """
         self._client()
-        page = self._tails.borrow()
+        page = -1 if in_place else self._tails.borrow()
         with self._direct_done:
             self._direct += 1
-            self.calls["direct"] += 1
+            self.calls["in_place" if in_place else "direct"] += 1
         try:
             return fn(page, *args)
         finally:
-            self._tails.give_back(page)
+            if page >= 0:
+                self._tails.give_back(page)
             with self._direct_done:
                 self._direct -= 1
                 self._direct_done.notify_all()
@@ -283,12 +291,22 @@ class MooncakeBackend:
         out: list[bool] = []
         for start, end in self._chunks(len(names)):
             ptrs = self._in_registered(blocks[start:end])
-            if ptrs is not None:
-                out.extend(self._direct_call(self._write_direct, names[start:end], start, trailer,
-                                             blocks[start:end], ptrs))
-            else:
+            if ptrs is None:
                 out.extend(self._run(self._write_staged, names[start:end], start, trailer, blocks[start:end]))
+                continue
+            in_place = self._regions.with_room(ptrs, _nbytes(blocks[start]))
+            out.extend(self._direct_call(self._write_in_place if in_place else self._write_direct,
+                                         names[start:end], start, trailer, blocks[start:end], ptrs,
+                                         in_place=in_place))
         return out
+
+    def _write_in_place(self, _page: int, names: list[str], start: int, trailer: Callable[[int], bytes],
+                        blocks: list[torch.Tensor], ptrs: list[int]) -> list[bool]:
+        """Each value goes out in one piece: its trailer written into the room after its block."""
+        nbytes = _nbytes(blocks[0])
+        for j, ptr in enumerate(ptrs):
+            ctypes.memmove(ptr + nbytes, trailer(start + j), TRAILER_BYTES)
+        return self._put_verdicts(self._store.batch_put_from(names, ptrs, [nbytes + TRAILER_BYTES] * len(ptrs)))
 
     def _write_direct(self, page: int, names: list[str], start: int, trailer: Callable[[int], bytes],
                       blocks: list[torch.Tensor], ptrs: list[int]) -> list[bool]:
@@ -296,7 +314,7 @@ class MooncakeBackend:
         view = self._tails.view
         for j in range(len(names)):
             view[page + j * TRAILER_BYTES:page + (j + 1) * TRAILER_BYTES] = trailer(start + j)
-        nbytes = blocks[0].numel() * blocks[0].element_size()
+        nbytes = _nbytes(blocks[0])
         return self._put_verdicts(self._store.batch_put_from_multi_buffers(names, *self._pieces(page, ptrs, nbytes)))
 
     def _write_staged(self, names: list[str], start: int, trailer: Callable[[int], bytes],
@@ -332,7 +350,9 @@ class MooncakeBackend:
             if ptrs is None:
                 out.extend(self._read_staged(chunk, dst))
                 continue
-            found = self._direct_call(self._read_direct, chunk, dst, ptrs)
+            in_place = self._regions.with_room(ptrs, _nbytes(dst[0]))
+            found = self._direct_call(self._read_in_place if in_place else self._read_direct, chunk, dst, ptrs,
+                                      in_place=in_place)
             # Values of another size (Mooncake reports only a failed transfer for those):
             # read them again through staging, which sees their real size and trailer.
             odd = [j for j, (length, _) in enumerate(found) if length is None]
@@ -345,7 +365,7 @@ class MooncakeBackend:
     def _read_direct(self, page: int, names: list[str], blocks: list[torch.Tensor],
                      ptrs: list[int]) -> list[tuple[int | None, bytes]]:
         """Payloads straight into the caller's blocks, trailers into the page. Length None: read it again staged."""
-        nbytes = blocks[0].numel() * blocks[0].element_size()
+        nbytes = _nbytes(blocks[0])
         codes = self._store.batch_get_into_multi_buffers(names, *self._pieces(page, ptrs, nbytes))
         if codes and all(c < 0 and c != _OBJECT_NOT_FOUND for c in codes):
             raise RemoteUnavailable(f"get failed with codes {sorted(set(codes))}")
@@ -353,6 +373,26 @@ class MooncakeBackend:
         want = nbytes + TRAILER_BYTES
         return [(code, tail) if code == want else (-1, b"") if code == _OBJECT_NOT_FOUND else (None, b"")
                 for code, tail in zip(codes, tails)]
+
+    def _read_in_place(self, _page: int, names: list[str], blocks: list[torch.Tensor],
+                       ptrs: list[int]) -> list[tuple[int | None, bytes]]:
+        """Whole values into the slots, each trailer into the room after its block. A shorter value
+        is judged from its own last bytes; length None (longer, or failed): read it again staged."""
+        nbytes = _nbytes(blocks[0])
+        want = nbytes + TRAILER_BYTES
+        codes = self._store.batch_get_into(names, ptrs, [want] * len(ptrs))
+        if codes and all(c < 0 and c not in (_OBJECT_NOT_FOUND, _BUFFER_TOO_SMALL) for c in codes):
+            raise RemoteUnavailable(f"get failed with codes {sorted(set(codes))}")
+        out: list[tuple[int | None, bytes]] = []
+        for code, ptr in zip(codes, ptrs):
+            if code == _OBJECT_NOT_FOUND:
+                out.append((-1, b""))
+            elif 0 < code <= want:
+                out.append((code, ctypes.string_at(ptr + code - TRAILER_BYTES, TRAILER_BYTES)
+                            if code >= TRAILER_BYTES else b""))
+            else:
+                out.append((None, b""))
+        return out
 
     def _read_staged(self, names: list[str], blocks: list[torch.Tensor]) -> list[tuple[int, bytes]]:
         """Whole values into staging slots on the Deadline worker; back on this thread (gate still held),
@@ -386,7 +426,8 @@ class MooncakeBackend:
         return {"backend": "mooncake", "url": self.url, "protocol": self.protocol,
                 "rdma_devices": self.devices, "rdma_reason": self.rdma_reason,
                 "connected": self._store is not None, "refused_codes": self.refused_codes,
-                "direct_calls": self.calls["direct"], "staged_calls": self.calls["staged"],
+                "in_place_calls": self.calls["in_place"], "direct_calls": self.calls["direct"],
+                "staged_calls": self.calls["staged"],
                 "registered_bytes": sum(n for _, n in self._regions.all())}
 
     def close(self) -> None:
@@ -402,3 +443,7 @@ class MooncakeBackend:
                 store.close()
             except Exception:  # closing a client whose master is gone is best effort
                 pass
+
+
+def _nbytes(block: torch.Tensor) -> int:
+    return block.numel() * block.element_size()

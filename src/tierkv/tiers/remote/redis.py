@@ -185,7 +185,7 @@ class RedisBackend:
             out.append((len(value), bytes(value[-TRAILER_BYTES:])))
         return out
 
-    def register(self, ptr: int, nbytes: int) -> None:
+    def register(self, ptr: int, nbytes: int, slot_bytes: int = 0) -> None:
         pass  # sockets need no registration
 
     def delete(self, names: list[str]) -> None:

@@ -24,24 +24,26 @@ def address(buf: memoryview | mmap.mmap) -> int:
 
 
 class Regions:
-    """Registered ``[start, end)`` address ranges. Thread-safe."""
+    """Registered ``[start, end)`` address ranges, some of them slots with trailer room. Thread-safe."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._starts: list[int] = []
         self._ends: list[int] = []
+        self._slots: list[int] = []  # slot size of a region whose slots have trailer room, else 0
 
-    def add(self, ptr: int, nbytes: int) -> None:
+    def add(self, ptr: int, nbytes: int, slot_bytes: int = 0) -> None:
         with self._lock:
             i = bisect.bisect(self._starts, ptr)
             self._starts.insert(i, ptr)
             self._ends.insert(i, ptr + nbytes)
+            self._slots.insert(i, slot_bytes)
 
     def remove(self, ptr: int) -> None:
         with self._lock:
             if ptr in self._starts:
                 i = self._starts.index(ptr)
-                del self._starts[i], self._ends[i]
+                del self._starts[i], self._ends[i], self._slots[i]
 
     def all(self) -> list[tuple[int, int]]:
         """(ptr, nbytes) of every region, for registering them again with a new client."""
@@ -51,12 +53,23 @@ class Regions:
     def covers(self, ptrs: list[int], nbytes: int) -> bool:
         """True when every ``[ptr, ptr + nbytes)`` lies inside one registered region."""
         with self._lock:
-            starts, ends = self._starts, self._ends
+            return all(self._find(ptr, nbytes) >= 0 for ptr in ptrs)
+
+    def with_room(self, ptrs: list[int], nbytes: int) -> bool:
+        """True when every ``ptr`` starts a slot whose ``nbytes`` block is followed by room for
+        a trailer: a whole value (block + trailer) may land there and leave from there."""
+        with self._lock:
             for ptr in ptrs:
-                i = bisect.bisect(starts, ptr) - 1
-                if i < 0 or ptr + nbytes > ends[i]:
+                i = self._find(ptr, nbytes + TRAILER_BYTES)
+                slot = self._slots[i] if i >= 0 else 0
+                if slot < nbytes + TRAILER_BYTES or (ptr - self._starts[i]) % slot:
                     return False
             return True
+
+    def _find(self, ptr: int, nbytes: int) -> int:
+        """The region holding ``[ptr, ptr + nbytes)``, or -1. Caller holds the lock."""
+        i = bisect.bisect(self._starts, ptr) - 1
+        return i if i >= 0 and ptr + nbytes <= self._ends[i] else -1
 
 
 class TrailerPages:
