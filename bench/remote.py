@@ -4,7 +4,8 @@ redis_raw_put/get_gbps     redis-py pipelines SET/GET of values of the same size
                            zero-copy packer, the tier's read size, hiredis replies when installed)
 redis_put/get_gbps         RemoteTier over redis:// (trailer + xxh3 checksum, MAC off; get verifies and copies into a block)
 mooncake_raw_put/get_gbps  MooncakeDistributedStore.batch_put_from / batch_get_into, values in one registered region
-mooncake_put/get_gbps      RemoteTier over mooncake:// (same checks as Redis)
+mooncake_put/get_gbps      RemoteTier over mooncake:// (same checks as Redis; blocks in an L1 pool with
+                           trailer room, as the store allocates it for Mooncake: values move in one piece)
 *_floor_put/get_gbps       the raw client plus one xxh3 pass over each payload: the least any checked
                            value can cost (the tier's checksum is that pass), a peer in the same run
 *_mac_put/get_gbps         the same tiers with l4.auth_key set (keyed BLAKE2b over every value)
@@ -33,7 +34,8 @@ from _common import parser, print_table, write_json  # noqa: E402
 
 from tierkv.config import L4Config  # noqa: E402
 from tierkv.layout import KVLayout  # noqa: E402
-from tierkv.tiers.remote import open_remote  # noqa: E402
+from tierkv.tiers.device import DeviceTier  # noqa: E402
+from tierkv.tiers.remote import open_remote, trailer_room  # noqa: E402
 from tierkv.tiers.remote.codec import TRAILER_BYTES  # noqa: E402
 from tierkv.tiers.remote.codec import _xxh3_by_address  # noqa: E402
 
@@ -206,19 +208,25 @@ class RawMooncake:
 
 
 class TierRun:
-    """The same traffic through RemoteTier (what the store's L4 does), blocks as tensors."""
+    """The same traffic through RemoteTier (what the store's L4 does), blocks in pools like the store's L1.
+
+    Source and destination are ``DeviceTier`` pools built as the store builds
+    its L1 for this URL (with a Mooncake L4, room for a trailer after every
+    block, so values move in one piece) and registered as the store registers it.
+    """
 
     def __init__(self, url: str, blocks: torch.Tensor, auth_key: str = "") -> None:
         prefix = "bench-mac" if auth_key else "bench-tier"
         self.tier = open_remote(L4Config(url=url, timeout_ms=30_000, key_prefix=prefix, auth_key=auth_key), LAYOUT)
+        self.src = DeviceTier(LAYOUT, len(blocks), "cpu", slot_room=trailer_room(url))
+        self.dst = DeviceTier(LAYOUT, len(blocks), "cpu", slot_room=trailer_room(url))
+        self.src.pool.copy_(blocks)
         self.blocks = blocks
-        self.dst = torch.empty_like(blocks)
-        # As the store registers its L1 pool and L2 slab (and raw registers its buffer): no staging copies.
-        self.tier.register(blocks)
-        self.tier.register(self.dst)
+        for l1 in (self.src, self.dst):
+            self.tier.register(l1.pool, room=l1.slot_room)
         self.keys = [i.to_bytes(16, "little") for i in range(len(blocks))]
         # Per batch, prebuilt like the raw runs' name and pointer lists.
-        self.batches = [(self.keys[i:i + BATCH], list(blocks[i:i + BATCH]), list(self.dst[i:i + BATCH]))
+        self.batches = [(self.keys[i:i + BATCH], list(self.src.pool[i:i + BATCH]), list(self.dst.pool[i:i + BATCH]))
                         for i in range(0, len(blocks), BATCH)]
 
     def put(self, b: int) -> None:
@@ -233,7 +241,7 @@ class TierRun:
         self.tier.remove(self.keys)
 
     def check(self) -> None:
-        assert torch.equal(self.dst.view(torch.int16), self.blocks.view(torch.int16)), "tier returned wrong bytes"
+        assert torch.equal(self.dst.pool.view(torch.int16), self.blocks.view(torch.int16)), "tier returned wrong bytes"
 
 
 def strongest_heap() -> None:
@@ -292,7 +300,7 @@ def main() -> None:
     torch.set_num_threads(1)
     strongest_heap()
     n = 64 if args.quick else 256
-    reps = 21 if args.quick else 41
+    reps = 41 if args.quick else 81
     blocks = torch.empty((n, *LAYOUT.block_shape), dtype=LAYOUT.torch_dtype)
     blocks.view(torch.int16).random_(-30000, 30000)
     values = [bytes(os.urandom(VALUE)) for _ in range(n)]
