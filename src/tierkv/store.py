@@ -32,7 +32,7 @@ from tierkv.tiers.device import DeviceTier, OutOfBlocks
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.host import HostTier
 from tierkv.tiers.remote import trailer_room
-from tierkv.store_writes import StoreWrites
+from tierkv.store_writes import L4_MAX_QUEUED, StoreWrites
 from tierkv.transfer import LoadHandle, LoadResult, TransferEngine, gather_futures, now
 
 __all__ = ["Match", "OutOfBlocks", "TierKVStore"]
@@ -102,10 +102,13 @@ class TierKVStore(StoreWrites):
         if cfg.l3_enabled and n3 > 0:
             meta = {"model_id": cfg.model_id, "model_revision": cfg.model_revision}
             self.l3 = DiskTier(cfg.l3.path, layout, n3, meta, cfg.l3.direct_io, self._on_failure)
+        # Queued L4 puts copy their block into the outbox: registered with the pool's client (with
+        # trailer room where it uses it), so the put moves it without another copy.
+        self._l4_outbox = DeviceTier(layout, L4_MAX_QUEUED, "cpu", slot_room=room) if cfg.l4.url else None
         self.l4 = self._open_remote() if cfg.l4.url else None
         self._l4_lock = threading.Lock()
         self._l4_queued = 0  # copies taken for L4 and not yet sent (pending or in the put running now)
-        self._l4_pending: list = []  # (key, copy, lineage) waiting for the IO thread
+        self._l4_pending: list = []  # (key, outbox slot, lineage) waiting for the IO thread
         self._l4_sending = False  # an IO-thread job is draining _l4_pending
         self._tiers = [self.l1, self.l2, self.l3]
         device = self.l1.device if self.l1 is not None else torch.device("cpu")
@@ -132,8 +135,9 @@ class TierKVStore(StoreWrites):
         tier = open_remote(self.config.l4, self.layout, self._on_failure)
         # Loads from L4 land in L1 slots (or L2 slots): registered once, a pool client that moves
         # data by registered memory (Mooncake) fills them without a staging copy.
-        if self.l1 is not None:
-            tier.register(self.l1.pool, room=self.l1.slot_room)
+        for pool in (self.l1, self._l4_outbox):
+            if pool is not None:
+                tier.register(pool.pool, room=pool.slot_room)
         if self.l2 is not None:
             tier.register(self.l2.slab)
         return tier

@@ -16,7 +16,7 @@ from tierkv.hashing import BlockHash
 from tierkv.index import LOCAL_TIERS, Entry, Tier
 from tierkv.tiers.base import Lineage, copy_block
 
-L4_MAX_QUEUED = 256  # blocks copied and waiting for the IO thread to send them to L4
+L4_MAX_QUEUED = 256  # blocks copied into the L4 outbox and waiting for the IO thread to send them
 
 
 class StoreWrites:
@@ -55,7 +55,7 @@ class StoreWrites:
                         src = self._block_view(entry, entry.best)
                         self.transfer.d2h_sync()
                         self._put_lower(entry, Tier.L2, src)
-                to_l4 = self._copies_for_l4([e for e in entries if e.key in l4_keys])
+                to_l4 = self._sources_for_l4([e for e in entries if e.key in l4_keys])
                 to_l3 = [e for e in entries if Tier.L3 in self._persist_targets(e)]
                 srcs = [self._block_view(e, e.best) for e in to_l3]  # L1/L2 slots, stable while pinned
                 if to_l3:
@@ -121,19 +121,22 @@ class StoreWrites:
     def _put_l4_async(self, key: BlockHash, src: torch.Tensor, lineage: list[Lineage]) -> bool:
         """Queue a copy of ``src`` for L4; False (counted) when too many are queued.
 
-        The bytes are copied first, so the source slot may be reused at once.
-        The IO thread sends whatever has queued meanwhile in one batched put
-        (a demotion storm becomes a few calls, not one per block). L4
-        failures are counted by the tier and never raise into the caller.
+        The bytes are copied first, into a slot of the L4 outbox (memory
+        registered with the pool's client, with trailer room where the client
+        uses it), so the source slot may be reused at once and the put needs no
+        further copy. The IO thread sends whatever has queued meanwhile in one
+        batched put (a demotion storm becomes a few calls, not one per block).
+        L4 failures are counted by the tier and never raise into the caller.
         """
         with self._l4_lock:
             if self._l4_queued >= L4_MAX_QUEUED:
                 self._on_failure("l4", "put_dropped", 1, f"{L4_MAX_QUEUED} L4 puts already queued")
                 return False
             self._l4_queued += 1
-        copy = _cpu_copy(src)
+            slot = self._l4_outbox.allocate(1)[0]  # never short: the outbox has L4_MAX_QUEUED slots
+        _copy_into(self._l4_outbox.block(slot), src)
         with self._l4_lock:
-            self._l4_pending.append((key, copy, lineage[0]))
+            self._l4_pending.append((key, slot, lineage[0]))
             start, self._l4_sending = not self._l4_sending, True
         if start:
             self.transfer.io(self._send_queued_l4)
@@ -147,19 +150,27 @@ class StoreWrites:
                 if not batch:
                     self._l4_sending = False
                     return
-            keys, blocks, lineage = (list(x) for x in zip(*batch))
+            keys, slots, lineage = (list(x) for x in zip(*batch))
             try:
-                ok = self.l4.put(keys, blocks, lineage)
+                ok = self.l4.put(keys, [self._l4_outbox.block(s) for s in slots], lineage)
             except Exception as exc:  # a tier bug must not kill the IO thread: count it as a miss
                 self._on_failure("l4", "error", len(batch), repr(exc))
                 ok = [False] * len(batch)
             finally:
                 with self._l4_lock:
+                    self._l4_outbox.free(slots)
                     self._l4_queued -= len(batch)
             self.metrics.add("bytes", ("l4", "write"), sum(ok) * self.layout.block_bytes)
 
-    def _copies_for_l4(self, entries: Sequence[Entry]) -> list[tuple[BlockHash, torch.Tensor, Lineage]]:
-        """Caller holds the lock: CPU copies of ``entries`` for a write-through L4 put (none without L4)."""
+    def _sources_for_l4(self, entries: Sequence[Entry]) -> list[tuple[BlockHash, torch.Tensor, Lineage]]:
+        """Caller holds the lock: what a write-through L4 put sends for each of ``entries`` (pinned
+        until it is sent), none without L4.
+
+        An L1 slot or a private L2 slot is sent as it lies: the pin keeps it
+        from being evicted or reused meanwhile, and the L1 pool is registered
+        with the pool's client. Anything else (a block read out of L3 into the
+        shared scratch buffer) is copied first.
+        """
         if self.l4 is None:
             return []
         out = []
@@ -168,7 +179,9 @@ class StoreWrites:
             if src is None:
                 continue
             self.transfer.d2h_sync()
-            out.append((entry.key, _cpu_copy(src), Lineage(entry.parent, entry.depth)))
+            stable = entry.best == Tier.L1 or (entry.best == Tier.L2 and not self.l2.shared)
+            out.append((entry.key, src if stable else _copy_into(torch.empty_like(src, device="cpu"), src),
+                        Lineage(entry.parent, entry.depth)))
         return out
 
     def _send_l4(self, keys, blocks, lineage) -> None:
@@ -177,11 +190,10 @@ class StoreWrites:
         self.metrics.add("bytes", ("l4", "write"), sum(ok) * self.layout.block_bytes)
 
 
-def _cpu_copy(src: torch.Tensor) -> torch.Tensor:
-    """A private CPU copy of a block (from L1 on any device, L2 or L3), for a queued L4 put."""
-    copy = torch.empty(src.shape, dtype=src.dtype)
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """Copy a block (from L1 on any device, L2 or L3) into the CPU block ``dst``; returns ``dst``."""
     if src.device.type == "cpu":
-        copy_block(copy, src)
+        copy_block(dst, src)
     else:
-        copy.copy_(src)
-    return copy
+        dst.copy_(src)
+    return dst

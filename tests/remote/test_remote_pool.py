@@ -95,6 +95,9 @@ def test_node_b_hits_what_node_a_saved(pool, tmp_path, layout):
         if s["backend"] == "mooncake":  # the store registered its L1 pool with room: whole values landed in place
             assert s["in_place_calls"] >= 1 and s["direct_calls"] == 0 and s["staged_calls"] == 0
             assert b.l1.slot_room >= TRAILER_BYTES
+            # A's demotions were copied into its registered outbox and left from there in one piece.
+            sa = a.stats()["l4"]
+            assert sa["in_place_calls"] >= 1 and sa["direct_calls"] == 0 and sa["staged_calls"] == 0
         b.release(m)
         # A second lookup on B is served locally now.
         assert b.lookup(tokens, pin=False).tiers == [Tier.L1] * 6
@@ -248,13 +251,16 @@ def writer_and_reader(tmp_path, layout, url: str, write: str) -> tuple[TierKVSto
     return a, make_node(tmp_path, "b", layout, url)
 
 
-def test_write_through_puts_to_l4_on_fill(redis_server, tmp_path, layout):
-    a, b = writer_and_reader(tmp_path, layout, redis_server.url, "write_through")
+def test_write_through_puts_to_l4_on_fill(pool, tmp_path, layout):
+    a, b = writer_and_reader(tmp_path, layout, pool.url, "write_through")
     try:
         tokens = prompt(8, 3, layout)
         keys = save_prompt(a, tokens)  # nothing evicted: only write-through can have sent them
         drain(a)
         assert a.stats()["evictions"] == {} and a.l4.contains(keys) == [True] * 3
+        s = a.stats()["l4"]
+        if s["backend"] == "mooncake":  # sent from the pinned L1 slots themselves: no copy, one piece
+            assert s["in_place_calls"] >= 1 and s["direct_calls"] == 0 and s["staged_calls"] == 0
         _, slots, result = load_into_l1(b, tokens)
         assert result.ok == [True] * 3
         assert all(same_bytes(b.l1.block(s), block_for(k, layout)) for k, s in zip(keys, slots))
