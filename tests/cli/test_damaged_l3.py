@@ -8,10 +8,12 @@ reader killed by LMDB shows as a negative exit status instead of killing pytest.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from pathlib import Path
 
 import lmdb
+import pytest
 from cli_helpers import LAYOUT, cache, populate, run_tierkv, store_config  # noqa: F401  (fixtures)
 
 from tierkv import TierKVStore
@@ -100,3 +102,19 @@ def test_evict_all_clears_a_damaged_directory(cache):
     store.close()
     r = run_tierkv("ls", "--cache-dir", str(cache))
     assert r.code == 0, r.err
+
+
+@pytest.mark.slow
+def test_run_on_a_damaged_l3_moves_it_aside_and_completes(cache, tmp_path):
+    """`tierkv run` is the one command that starts a store: the damage is moved aside, not an error."""
+    populate(cache)
+    l3 = cache / "l3"
+    os.truncate(l3 / "index" / "data.mdb", 2 * 4096)
+    out = tmp_path / "run.json"
+    r = run_tierkv("run", "--quick", "--json", str(out), "--cache-dir", str(cache),
+                   env={"TIERKV_L3_CAPACITY": "256MiB"}, timeout=600)
+    assert r.code == 0, r.err[-2000:]
+    fresh, restarted = json.loads(out.read_text())["passes"]
+    assert fresh["hit_tokens_by_tier"]["l3"] == 0 and restarted["hit_tokens_by_tier"]["l3"] > 0
+    aside = [p for p in l3.iterdir() if p.name.startswith("damaged-")]
+    assert len(aside) == 1 and (aside[0] / "index" / "data.mdb").stat().st_size == 2 * 4096

@@ -22,6 +22,7 @@ from tierkv.catalog import evict_namespace
 from tierkv.cli.common import CacheDir, CLIError, ConfigFile, Debug, app, console, settings
 from tierkv.demo import FULL, NAMESPACE, QUICK, write_chart
 from tierkv.metrics import TIER_NAMES
+from tierkv.tiers.disk_open import DamagedL3
 
 PASS_NAMES = ("fresh process", "restarted process")
 
@@ -126,7 +127,10 @@ def run_cmd(
                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("preparing the demo model", total=2 * work.users * work.turns)
         model_dir = model or ensure_demo_model(s.cache_dir)
-        evict_namespace(s.l3_path, NAMESPACE)  # pass 1 starts cold whatever an earlier run left
+        try:
+            evict_namespace(s.l3_path, NAMESPACE)  # pass 1 starts cold whatever an earlier run left
+        except DamagedL3:
+            pass  # pass 1's store moves the damaged files aside and starts with an empty L3: cold too
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
             json.dump({"model": str(model_dir), "store_config": s.config.to_dict(),
                        "workload": dataclasses.asdict(work)}, fh)
