@@ -88,21 +88,27 @@ def test_registered_blocks_move_directly_and_read_back_either_way(pool, memory):
         reader.close()
 
 
+def put_odd_values(tier, pool, tag: str, longer_by: int) -> tuple[list[bytes], list[torch.Tensor]]:
+    """Six keys: two good values put through ``tier``, then planted straight in the pool a truncated
+    one, one ``longer_by`` bytes too long, one shorter than a trailer; the sixth is missing."""
+    keys = [key_of(tag, i) for i in range(6)]
+    good = [block_for(k, LAYOUT) for k in keys]
+    assert tier.put(keys[:2], good[:2]) == [True, True]
+    codec = ValueCodec(LAYOUT)
+    whole = bytearray(codec.value_bytes)
+    codec.encode_into(keys[2], good[2], memoryview(whole))
+    pool.plant(tier.key_name(keys[2]), bytes(whole[:-7]))
+    pool.plant(tier.key_name(keys[3]), bytes(whole) + b"m" * longer_by)
+    pool.plant(tier.key_name(keys[4]), b"x" * 5)
+    return keys, good
+
+
 def test_odd_values_in_a_direct_batch_get_their_own_verdicts(pool):
     tier = tier_for(pool.url)
     dst = pool_tensor(6)
     tier.register(dst)
     try:
-        keys = [key_of("odd", i) for i in range(6)]
-        good = [block_for(k, LAYOUT) for k in keys]
-        assert tier.put(keys[:2], good[:2]) == [True, True]
-        codec = ValueCodec(LAYOUT)
-        whole = bytearray(codec.value_bytes)
-        codec.encode_into(keys[2], good[2], memoryview(whole))
-        pool.plant(tier.key_name(keys[2]), bytes(whole[:-7]))                     # truncated
-        pool.plant(tier.key_name(keys[3]), bytes(whole) + b"more")               # longer than a block
-        pool.plant(tier.key_name(keys[4]), b"x" * 5)                             # shorter than a trailer
-        # keys[5] is missing
+        keys, good = put_odd_values(tier, pool, "odd", longer_by=4)
         assert tier.get(keys, list(dst)) == [True, True, False, False, False, False]
         assert same_bytes(dst[0], good[0]) and same_bytes(dst[1], good[1])
         s = tier.stats()
@@ -120,16 +126,7 @@ def test_a_value_landing_in_place_never_writes_past_its_slot_room(mooncake_pool)
     l1 = room_pool(12)
     tier.register(l1.pool, room=l1.slot_room)
     try:
-        keys = [key_of("room", i) for i in range(6)]
-        good = [block_for(k, LAYOUT) for k in keys]
-        assert tier.put(keys[:2], good[:2]) == [True, True]
-        codec = ValueCodec(LAYOUT)
-        whole = bytearray(codec.value_bytes)
-        codec.encode_into(keys[2], good[2], memoryview(whole))
-        mooncake_pool.plant(tier.key_name(keys[2]), bytes(whole[:-7]))                 # truncated
-        mooncake_pool.plant(tier.key_name(keys[3]), bytes(whole) + b"m" * 5000)        # longer than slot + room
-        mooncake_pool.plant(tier.key_name(keys[4]), b"x" * 5)                          # shorter than a trailer
-        # keys[5] is missing
+        keys, good = put_odd_values(tier, mooncake_pool, "room", longer_by=5000)  # longer than slot + room
         live = {2 * i + 1: block_for(key_of("live", i), LAYOUT) for i in range(6)}
         for slot, block in live.items():
             l1.block(slot).copy_(block)
