@@ -1,7 +1,9 @@
 """L1: the engine's block pool (DESIGN §5).
 
 One tensor ``pool[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``
-on the device (a CPU tensor where there is no CUDA). Slots are handed out from
+on the device (a CPU tensor where there is no CUDA; there each slot may keep
+room after its block for a remote pool's value trailer, and the pool is then
+a strided view whose blocks are each contiguous). Slots are handed out from
 a free list; the store's index decides which cached block a slot holds and who
 pins it. Not thread-safe: the store calls it under its lock.
 """
@@ -48,9 +50,12 @@ class DeviceTier:
         self.device = resolve_device(device) if isinstance(device, str) else device
         if self.device.type == "cpu":
             # Page-aligned so L3 reads land in L1 slots with O_DIRECT and no bounce copy.
-            self.slot_bytes = _round_up(layout.block_bytes + slot_room, mmap.PAGESIZE) if slot_room else layout.block_bytes
+            self.slot_bytes = layout.block_bytes
+            if slot_room:
+                self.slot_bytes = _round_up(layout.block_bytes + slot_room, mmap.PAGESIZE)
             self._mm = mmap.mmap(-1, max(1, num_blocks * self.slot_bytes))
-            flat = torch.frombuffer(self._mm, dtype=layout.torch_dtype, count=num_blocks * self.slot_bytes // layout.itemsize)
+            items = num_blocks * self.slot_bytes // layout.itemsize
+            flat = torch.frombuffer(self._mm, dtype=layout.torch_dtype, count=items)
             shape = layout.pool_shape(num_blocks)
             dense = torch.empty(shape, dtype=layout.torch_dtype, device="meta").stride()
             self.pool = flat.as_strided(shape, (self.slot_bytes // layout.itemsize, *dense[1:]))
