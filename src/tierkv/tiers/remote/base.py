@@ -285,7 +285,7 @@ class RemoteTier:
         A CUDA tensor is ignored (its blocks travel through CPU bounce buffers), as is a pool
         whose blocks are not each contiguous.
         """
-        if memory.device.type != "cpu" or memory.dim() < 2 or not memory[0].is_contiguous():
+        if memory.device.type != "cpu" or memory.dim() < 2 or not len(memory) or not memory[0].is_contiguous():
             return
         slot = memory.stride(0) * memory.element_size()
         block = memory[0].numel() * memory.element_size()
