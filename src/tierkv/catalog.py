@@ -189,9 +189,10 @@ def evict(l3: DiskTier, catalog: Catalog, namespaces: set[str], cutoff: float | 
 
 def evict_namespace(l3_path: str | Path, namespace: str) -> int:
     """``evict`` of one namespace in the L3 directory at ``l3_path`` (0 when there is none)."""
-    if stored_layout(l3_path) is None:
+    try:
+        l3 = open_l3(l3_path)  # no stored_layout() first: each walks the index in a child process
+    except FileNotFoundError:
         return 0
-    l3 = open_l3(l3_path)
     catalog = Catalog(l3_path)
     try:
         return evict(l3, catalog, {namespace})
