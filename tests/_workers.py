@@ -177,6 +177,16 @@ def l3_mixed(path: str, worker: int, seconds: float, universe: int, num_blocks: 
     Path(out_file).write_text(json.dumps(counts))
 
 
+def run(cmd: str, **args) -> dict:
+    """Run ``cmd`` of this file in a fresh interpreter (as another process would) and return its JSON."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, __file__, cmd, json.dumps(args)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else {}
+
+
 if __name__ == "__main__":
     cmd, args = sys.argv[1], json.loads(sys.argv[2])
     result = {"shm": shm_exchange, "l3_lookup": l3_lookup, "l3_save": l3_save, "l3_fill": l3_fill,

@@ -25,12 +25,12 @@ import lmdb
 import pytest
 import torch
 
+import _workers
 from _kv import LAYOUT, ODD_LAYOUT, block_for, key_of, prompt, same_bytes, save_prompt
 from tierkv.index import Tier
 
 L3_BLOCKS = 64
 TESTS = str(Path(__file__).parent)
-WORKERS = str(Path(__file__).parent / "_workers.py")
 
 
 def write_l3(make_store) -> tuple[list[list[int]], dict[bytes, int]]:
@@ -340,13 +340,6 @@ def test_two_processes_starting_on_one_damaged_directory_move_it_aside_once(make
     assert store.stats()["failures"] == {} and len(damaged_dirs(l3_dir)) == 1
 
 
-def run_worker(cmd: str, **args) -> dict:
-    out = subprocess.run([sys.executable, WORKERS, cmd, json.dumps(args)], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else {}
-
-
 def test_another_process_shares_the_recreated_directory_with_the_one_that_moved_it(make_store, l3_dir):
     write_l3(make_store)
     header_garbage(l3_dir)
@@ -358,11 +351,11 @@ def test_another_process_shares_the_recreated_directory_with_the_one_that_moved_
         store.persist(store.hash(tokens))
     # While this store runs, another process opens the directory: no second move, and each
     # sees the other's blocks (one index, not two).
-    seen = run_worker("l3_lookup", path=str(l3_dir), seeds=[11, 12], num_blocks=4)
+    seen = _workers.run("l3_lookup", path=str(l3_dir), seeds=[11, 12], num_blocks=4)
     for seed in ("11", "12"):
         assert seen[seed] == {"tiers": [Tier.L3] * 4, "num_ok": 4, "correct": True}
     assert seen["stats"]["failures"] == {}
-    run_worker("l3_save", path=str(l3_dir), seeds=[13], num_blocks=4)
+    _workers.run("l3_save", path=str(l3_dir), seeds=[13], num_blocks=4)
     m = store.lookup(prompt(13, 4, LAYOUT))
     assert m.tiers == [Tier.L3] * 4 and load_exact(store, m)
     store.release(m)

@@ -7,8 +7,6 @@ import multiprocessing as mp
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,7 +18,6 @@ from _kv import LAYOUT, block_for, prompt, same_bytes, save_prompt
 from tierkv.index import Tier
 from tierkv.tiers.disk import DiskTier
 
-WORKERS = str(Path(__file__).parent / "_workers.py")
 
 
 @pytest.fixture(scope="module")
@@ -32,26 +29,19 @@ def forkserver():
     return ctx
 
 
-def run_worker(cmd: str, **args) -> dict:
-    out = subprocess.run([sys.executable, WORKERS, cmd, json.dumps(args)], capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else {}
-
-
 def test_another_process_hits_what_this_one_saved_and_back(make_store, l3_dir):
     store = make_store(l1=4, l2=0, l3=64)
     for seed in (1, 2, 3):
         save_prompt(store, prompt(seed, 4, LAYOUT))   # 1 and 2 are pushed down to L3; 3 stays in L1
-    seen = run_worker("l3_lookup", path=str(l3_dir), seeds=[1, 2, 3], num_blocks=4)
+    seen = _workers.run("l3_lookup", path=str(l3_dir), seeds=[1, 2, 3], num_blocks=4)
     assert seen["1"] == {"tiers": [Tier.L3] * 4, "num_ok": 4, "correct": True}
     assert seen["2"] == {"tiers": [Tier.L3] * 4, "num_ok": 4, "correct": True}
     assert seen["3"]["tiers"] == []  # only in this process's L1
     assert seen["stats"]["hits"] == {"l3": 8}
-    other_model = run_worker("l3_lookup", path=str(l3_dir), seeds=[1], num_blocks=4, model_id="another")
+    other_model = _workers.run("l3_lookup", path=str(l3_dir), seeds=[1], num_blocks=4, model_id="another")
     assert other_model["1"]["tiers"] == []
     # The other way round: blocks another process writes while this store is open are found.
-    run_worker("l3_save", path=str(l3_dir), seeds=[7, 8], num_blocks=4)
+    _workers.run("l3_save", path=str(l3_dir), seeds=[7, 8], num_blocks=4)
     for seed in (7, 8):
         m = store.lookup(prompt(seed, 4, LAYOUT))
         assert m.tiers == [Tier.L3] * 4
