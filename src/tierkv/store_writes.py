@@ -171,14 +171,14 @@ class StoreWrites:
         with the pool's client. Anything else (a block read out of L3 into the
         shared scratch buffer) is copied first.
         """
-        if self.l4 is None:
+        if self.l4 is None or not entries:
             return []
+        self.transfer.d2h_sync()
         out = []
         for entry in entries:
             src = self._block_view(entry, entry.best)
             if src is None:
                 continue
-            self.transfer.d2h_sync()
             stable = entry.best == Tier.L1 or (entry.best == Tier.L2 and not self.l2.shared)
             out.append((entry.key, src if stable else _copy_into(torch.empty_like(src, device="cpu"), src),
                         Lineage(entry.parent, entry.depth)))

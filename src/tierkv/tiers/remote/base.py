@@ -264,7 +264,7 @@ class RemoteTier:
             trailers = self._map_halves(lambda i: codec.trailer(keys[i], src[i]), len(keys))
             trailer = trailers.__getitem__
         else:
-            trailer = lambda i: codec.trailer(keys[i], src[i])  # noqa: E731 - built as each block goes out
+            trailer = lambda i: codec.trailer(keys[i], src[i])  # noqa: E731 - built when the backend asks
         ok = self._call("write", len(keys), self.backend.write, names, trailer, src)
         if ok is _FAILED:
             return [False] * len(keys)
@@ -313,6 +313,7 @@ class RemoteTier:
         out = [False] * len(keys)
         if found is _FAILED:
             return out
+
         def verdict_of(i: int) -> str | None:
             length, tail = found[i]
             return None if length < 0 else codec.verify(keys[i], length, tail, blocks[i])

@@ -254,10 +254,12 @@ class MooncakeBackend:
         for start in range(0, n, step):
             yield start, min(n, start + step)
 
-    def _in_registered(self, blocks: list[torch.Tensor]) -> list[int] | None:
-        """The blocks' addresses when every one lies in registered memory, else None."""
+    def _in_registered(self, blocks: list[torch.Tensor]) -> tuple[list[int] | None, bool]:
+        """(the blocks' addresses, whether each has trailer room after it) when every one lies in
+        registered memory, else (None, False)."""
         ptrs = [b.data_ptr() for b in blocks]
-        return ptrs if self._regions.covers(ptrs, _nbytes(blocks[0]) if blocks else 0) else None
+        where = self._regions.placement(ptrs, _nbytes(blocks[0]) if blocks else 0)
+        return (None if where is None else ptrs), where == "room"
 
     def _direct_call(self, fn: Callable, *args, in_place: bool = False):
         """``fn(page, *args)`` on this thread with one borrowed trailer page (none, -1, ``in_place``).
@@ -290,11 +292,10 @@ class MooncakeBackend:
     def write(self, names: list[str], trailer: Callable[[int], bytes], blocks: list[torch.Tensor]) -> list[bool]:
         out: list[bool] = []
         for start, end in self._chunks(len(names)):
-            ptrs = self._in_registered(blocks[start:end])
+            ptrs, in_place = self._in_registered(blocks[start:end])
             if ptrs is None:
                 out.extend(self._run(self._write_staged, names[start:end], start, trailer, blocks[start:end]))
                 continue
-            in_place = self._regions.with_room(ptrs, _nbytes(blocks[start]))
             out.extend(self._direct_call(self._write_in_place if in_place else self._write_direct,
                                          names[start:end], start, trailer, blocks[start:end], ptrs,
                                          in_place=in_place))
@@ -346,11 +347,10 @@ class MooncakeBackend:
         out: list[tuple[int, bytes]] = []
         for start, end in self._chunks(len(names)):
             chunk, dst = names[start:end], blocks[start:end]
-            ptrs = self._in_registered(dst)
+            ptrs, in_place = self._in_registered(dst)
             if ptrs is None:
                 out.extend(self._read_staged(chunk, dst))
                 continue
-            in_place = self._regions.with_room(ptrs, _nbytes(dst[0]))
             found = self._direct_call(self._read_in_place if in_place else self._read_direct, chunk, dst, ptrs,
                                       in_place=in_place)
             # Values of another size (Mooncake reports only a failed transfer for those):

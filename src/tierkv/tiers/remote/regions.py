@@ -50,21 +50,28 @@ class Regions:
         with self._lock:
             return [(s, e - s) for s, e in zip(self._starts, self._ends)]
 
-    def covers(self, ptrs: list[int], nbytes: int) -> bool:
-        """True when every ``[ptr, ptr + nbytes)`` lies inside one registered region."""
-        with self._lock:
-            return all(self._find(ptr, nbytes) >= 0 for ptr in ptrs)
-
-    def with_room(self, ptrs: list[int], nbytes: int) -> bool:
-        """True when every ``ptr`` starts a slot whose ``nbytes`` block is followed by room for
-        a trailer: a whole value (block + trailer) may land there and leave from there."""
+    def placement(self, ptrs: list[int], nbytes: int) -> str | None:
+        """Where ``nbytes`` blocks at ``ptrs`` lie, in one pass: ``"room"`` when every one starts a
+        slot whose block is followed by room for a trailer (a whole value may land and leave
+        there), ``"plain"`` when every one lies inside a registered region, else None."""
+        value = nbytes + TRAILER_BYTES
+        room = True
         with self._lock:
             for ptr in ptrs:
-                i = self._find(ptr, nbytes + TRAILER_BYTES)
-                slot = self._slots[i] if i >= 0 else 0
-                if slot < nbytes + TRAILER_BYTES or (ptr - self._starts[i]) % slot:
-                    return False
-            return True
+                i = self._find(ptr, nbytes)
+                if i < 0:
+                    return None
+                slot = self._slots[i]
+                room = room and slot >= value and not (ptr - self._starts[i]) % slot and ptr + value <= self._ends[i]
+        return "room" if room else "plain"
+
+    def covers(self, ptrs: list[int], nbytes: int) -> bool:
+        """True when every ``[ptr, ptr + nbytes)`` lies inside one registered region."""
+        return self.placement(ptrs, nbytes) is not None
+
+    def with_room(self, ptrs: list[int], nbytes: int) -> bool:
+        """True when every ``ptr`` starts a slot with room for a trailer after its block."""
+        return self.placement(ptrs, nbytes) == "room"
 
     def _find(self, ptr: int, nbytes: int) -> int:
         """The region holding ``[ptr, ptr + nbytes)``, or -1. Caller holds the lock."""
