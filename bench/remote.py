@@ -11,6 +11,11 @@ mooncake_put/get_gbps      RemoteTier over mooncake:// (same checks as Redis; bl
 *_mac_put/get_gbps         the same tiers with l4.auth_key set (keyed BLAKE2b over every value)
 Target: each tierkv figure >= 0.85 x its raw twin (MAC off). Starts its own redis-server and
 mooncake_master + mooncake_client on loopback and stops them by pid.
+
+Per backend every contender goes through one client (one Redis connection, one Mooncake
+client): identical raw clients on separate connections differed by up to 40 % here
+(redis-py gets 3.5-6.7 GB/s in one run; Mooncake puts 1.85-2.18), so a twin on its own
+connection compared the connections, not the code.
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ from _common import parser, print_table, write_json  # noqa: E402
 from tierkv.config import L4Config  # noqa: E402
 from tierkv.layout import KVLayout  # noqa: E402
 from tierkv.tiers.device import DeviceTier  # noqa: E402
-from tierkv.tiers.remote import open_remote, trailer_room  # noqa: E402
+from tierkv.tiers.remote import open_backend, trailer_room  # noqa: E402
+from tierkv.tiers.remote.base import CircuitBreaker, RemoteTier  # noqa: E402
 from tierkv.tiers.remote.codec import TRAILER_BYTES  # noqa: E402
 from tierkv.tiers.remote.codec import _xxh3_by_address  # noqa: E402
 
@@ -90,7 +96,7 @@ def start_redis(work: Path, procs: list) -> str:
     return f"redis://127.0.0.1:{port}/0"
 
 
-def start_mooncake(work: Path, procs: list, segment: int) -> tuple[str, str, str]:
+def start_mooncake(work: Path, procs: list, segment: int) -> str:
     import mooncake
 
     pkg = Path(mooncake.__path__[0])
@@ -103,29 +109,31 @@ def start_mooncake(work: Path, procs: list, segment: int) -> tuple[str, str, str
     procs.append(start([str(pkg / "mooncake_client"), "--host=127.0.0.1", f"--port={pool}",
                         f"--global_segment_size={segment}", f"--master_server_address=127.0.0.1:{rpc}",
                         f"--metadata_server={metadata}", "--protocol=tcp"], pool, work / "pool.log"))
-    url = f"mooncake://127.0.0.1:{rpc}?metadata={metadata}&protocol=tcp&local=127.0.0.1"
-    return url, metadata, f"127.0.0.1:{rpc}"
+    return f"mooncake://127.0.0.1:{rpc}?metadata={metadata}&protocol=tcp&local=127.0.0.1"
+
+
+def strongest_redis(url: str):
+    """The strongest redis-py set-up: the tier's read size, and the pure-Python command packer,
+    which sends large values as they are (hiredis' packer copies each value into one string)."""
+    import redis
+
+    from redis._parsers.encoders import Encoder
+    from redis.connection import PythonRespSerializer
+
+    from tierkv.tiers.remote.redis import READ_SIZE
+
+    packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+    return redis.Redis.from_url(url, socket_timeout=30, socket_read_size=READ_SIZE, command_packer=packer)
 
 
 class RawRedis:
-    """redis-py moving prebuilt values of VALUE bytes, one pipeline per batch like the tier.
+    """redis-py moving prebuilt values of VALUE bytes through ``client``, one pipeline per batch like the tier.
 
     ``hashed``: also one xxh3 pass over each payload (before a put, after a get), as any checked value needs.
     """
 
-    def __init__(self, url: str, values: list[bytes], hashed: bool = False) -> None:
-        import redis
-
-        from redis._parsers.encoders import Encoder
-        from redis.connection import PythonRespSerializer
-
-        from tierkv.tiers.remote.redis import READ_SIZE
-
-        # The strongest redis-py set-up: the tier's read size, and the pure-Python command packer,
-        # which sends large values as they are (hiredis' packer copies each value into one string).
-        packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
-        self.client = redis.Redis.from_url(url, socket_timeout=30, socket_read_size=READ_SIZE,
-                                           command_packer=packer)
+    def __init__(self, client, values: list[bytes], hashed: bool = False) -> None:
+        self.client = client
         self.values = values
         self.hashed = hashed
         self.names = [f"bench-{'floor' if hashed else 'raw'}/{i}" for i in range(len(values))]
@@ -156,21 +164,18 @@ class RawRedis:
 
 
 class RawMooncake:
-    """MooncakeDistributedStore moving VALUE-byte values from one registered buffer, per batch like the tier.
+    """A MooncakeDistributedStore (``store``, connected) moving VALUE-byte values from one registered
+    buffer, per batch like the tier.
 
     ``hashed``: also one xxh3 pass over each payload (before a put, after a get), as any checked value needs.
     """
 
-    def __init__(self, metadata: str, master: str, n: int, hashed: bool = False) -> None:
+    def __init__(self, store, n: int, hashed: bool = False) -> None:
         import mmap
 
         import numpy as np
-        from mooncake.store import MooncakeDistributedStore
 
-        self.store = MooncakeDistributedStore()
-        rc = self.store.setup("127.0.0.1", metadata, 0, 16 << 20, "tcp", "", master)
-        if rc != 0:
-            raise RuntimeError(f"mooncake setup failed: {rc}")
+        self.store = store
         # One registered region holding every value (as the tier's blocks are distinct memory too).
         self.buf = mmap.mmap(-1, n * VALUE)
         arr = np.frombuffer(self.buf, dtype=np.uint8)
@@ -203,8 +208,7 @@ class RawMooncake:
         pass
 
     def close(self) -> None:
-        self.store.unregister_buffer(self.ptr)
-        self.store.close()
+        self.store.unregister_buffer(self.ptr)  # the store is the tier's: it closes it
 
 
 class TierRun:
@@ -215,9 +219,12 @@ class TierRun:
     block, so values move in one piece) and registered as the store registers it.
     """
 
-    def __init__(self, url: str, blocks: torch.Tensor, auth_key: str = "") -> None:
-        prefix = "bench-mac" if auth_key else "bench-tier"
-        self.tier = open_remote(L4Config(url=url, timeout_ms=30_000, key_prefix=prefix, auth_key=auth_key), LAYOUT)
+    def __init__(self, url: str, backend, blocks: torch.Tensor, auth_key: str = "") -> None:
+        config = L4Config(url=url, timeout_ms=30_000, key_prefix="bench-mac" if auth_key else "bench-tier",
+                          auth_key=auth_key)
+        # open_remote's tier, over a backend the run's other contenders share.
+        self.tier = RemoteTier(backend, LAYOUT, config.key_prefix, config.auth_key,
+                               CircuitBreaker(config.breaker_failures, config.breaker_reset_s))
         self.src = DeviceTier(LAYOUT, len(blocks), "cpu", slot_room=trailer_room(url))
         self.dst = DeviceTier(LAYOUT, len(blocks), "cpu", slot_room=trailer_room(url))
         self.src.pool.copy_(blocks)
@@ -306,24 +313,31 @@ def main() -> None:
     reps = 41 if args.quick else 81
     blocks = torch.empty((n, *LAYOUT.block_shape), dtype=LAYOUT.torch_dtype)
     blocks.view(torch.int16).random_(-30000, 30000)
-    values = [bytes(os.urandom(VALUE)) for _ in range(n)]
+    # Each contender moves its own memory: a run right after another over the same buffers
+    # would find them in cache (raw and floor once shared them, which favoured raw).
+    values = {label: [os.urandom(VALUE) for _ in range(n)] for label in ("raw_", "floor_")}
     figures: dict[str, float] = {}
     procs: list[subprocess.Popen] = []
     work = Path(tempfile.mkdtemp(prefix="tierkv-bench-remote-"))
     started = time.perf_counter()
     try:
         url = start_redis(work, procs)
-        runs = {"raw_": RawRedis(url, values), "floor_": RawRedis(url, values, hashed=True),
-                "": TierRun(url, blocks), "mac_": TierRun(url, blocks, "bench-key")}
+        client = strongest_redis(url)
+        backend = open_backend(url, 30_000, VALUE)
+        backend._client = client  # the tier sends and reads on the raw client's connection
+        runs = {"raw_": RawRedis(client, values["raw_"]), "floor_": RawRedis(client, values["floor_"], hashed=True),
+                "": TierRun(url, backend, blocks), "mac_": TierRun(url, backend, blocks, "bench-key")}
         figures.update(measure("redis", runs, n, reps))
-        murl, metadata, master = start_mooncake(work, procs, max(64 << 20, 6 * n * VALUE))
-        runs = {"raw_": RawMooncake(metadata, master, n), "floor_": RawMooncake(metadata, master, n, hashed=True),
-                "": TierRun(murl, blocks), "mac_": TierRun(murl, blocks, "bench-key")}
+        backend.close()
+        murl = start_mooncake(work, procs, max(64 << 20, 6 * n * VALUE))
+        backend = open_backend(murl, 30_000, VALUE)
+        runs = {"": TierRun(murl, backend, blocks), "mac_": TierRun(murl, backend, blocks, "bench-key")}
+        store = backend._client()  # connected, with the tiers' pools registered
+        runs.update({"raw_": RawMooncake(store, n), "floor_": RawMooncake(store, n, hashed=True)})
         figures.update(measure("mooncake", runs, n, reps))
-        runs[""].tier.close()
-        runs["mac_"].tier.close()
         runs["raw_"].close()
         runs["floor_"].close()
+        backend.close()
     finally:
         stop(procs)
         shutil.rmtree(work, ignore_errors=True)
