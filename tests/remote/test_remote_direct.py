@@ -166,6 +166,42 @@ def test_redis_reader_survives_error_replies_and_reuses_its_connection(redis_ser
         tier.close()
 
 
+def test_redis_reports_each_value_as_it_lands_and_the_tier_checks_it_then(redis_server):
+    # The tier checks a value while it is still in cache: the backend must report value i once
+    # it is whole in its block and before value i + 1 is read, with what the result will hold.
+    tier = tier_for(redis_server.url)
+    try:
+        keys = [key_of("landed", i) for i in range(4)]
+        assert tier.put(keys, [block_for(k, LAYOUT) for k in keys]) == [True] * 4
+        tier.backend.delete([tier.key_name(keys[2])])  # a miss in the middle
+        dst = [torch.zeros(LAYOUT.block_shape, dtype=LAYOUT.torch_dtype) for _ in keys]
+        names = [tier.key_name(k) for k in keys]
+        seen = []
+
+        def landed(i, length, tail):
+            seen.append(i)
+            if length > 0:
+                assert same_bytes(dst[i], block_for(keys[i], LAYOUT))
+            later = [j for j in range(i + 1, len(keys)) if j != 2]
+            assert not any(dst[j].any() for j in later), "a later value arrived before this one was reported"
+
+        found = tier.backend.read_into(names, dst, landed)
+        assert seen == [0, 1, 2, 3]
+        assert [length for length, _ in found] == [LAYOUT.block_bytes + TRAILER_BYTES] * 2 + [-1] + [
+            LAYOUT.block_bytes + TRAILER_BYTES]
+        # Through the tier the reported verdicts are the ones used: a value corrupted on the
+        # server is a counted miss, its neighbours hits.
+        c = redis_server.client()
+        c.setrange(names[1], 100, b"\x00\x01\x02")
+        c.close()
+        out = [torch.zeros(LAYOUT.block_shape, dtype=LAYOUT.torch_dtype) for _ in keys]
+        assert tier.get(keys, out) == [True, False, False, True]
+        assert same_bytes(out[3], block_for(keys[3], LAYOUT))
+        assert tier.stats()["bad_values"] == 1
+    finally:
+        tier.close()
+
+
 def test_a_hung_mooncake_node_ends_a_direct_get_in_bounded_time(mooncake_pool):
     # SIGSTOP the process holding the pool's memory: the transfer stalls mid-call. The direct get
     # must return (Mooncake's own progress timeout, set from l4.timeout_ms) with False, and after

@@ -26,6 +26,7 @@ from tierkv.tiers.base import Lineage
 from tierkv.tiers.remote.codec import OK, ValueCodec
 
 FailureHook = Callable[[str, str, int, str], None]  # (tier, reason, blocks, detail)
+Landed = Callable[[int, int, bytes], None]  # (index, length, tail): value ``index`` is in its block
 _FAILED = object()  # what ``RemoteTier._call`` returns for a skipped or failed call
 
 
@@ -147,7 +148,8 @@ class RemoteBackend(Protocol):
         so it finds the bytes in cache.
         """
 
-    def read_into(self, names: list[str], blocks: list[torch.Tensor]) -> list[tuple[int, bytes]]:
+    def read_into(self, names: list[str], blocks: list[torch.Tensor],
+                  landed: Landed | None = None) -> list[tuple[int, bytes]]:
         """Fetch value i: its payload into ``blocks[i]``, its last TRAILER_BYTES into the returned ``tail``.
 
         Blocks are contiguous CPU tensors. Per name ``(length, tail)``:
@@ -157,6 +159,12 @@ class RemoteBackend(Protocol):
         the backend could read of the value's last bytes (nothing for a value
         larger than it can hold). Returns only once nothing more will be
         written into ``blocks``.
+
+        ``landed(i, length, tail)``, when given, may be called on the calling
+        thread as soon as value i is complete, with what the result will hold
+        for it, so the caller can check it while it is still in cache. A
+        backend that lands a batch in one transfer need not call it; the
+        caller checks whatever was not reported once this returns.
         """
 
     def register(self, ptr: int, nbytes: int, slot_bytes: int = 0) -> None:
@@ -309,12 +317,23 @@ class RemoteTier:
         codec = self.codec
         blocks = self._cpu_blocks("get", dst)
         names = [self.key_name(k) for k in keys]
-        found = self._call("read", len(keys), self.backend.read_into, names, blocks)
+        early: dict[int, str | None] = {}  # verdicts reached while the batch was still arriving
+
+        def landed(i: int, length: int, tail: bytes) -> None:
+            early[i] = None if length < 0 else codec.verify(keys[i], length, tail, blocks[i])
+
+        # Without a MAC the xxh3 pass is cheapest on a block that just arrived (it is still in
+        # cache): measured 1.15-1.20x a pass over the whole batch afterwards, on Redis. With one,
+        # the BLAKE2b passes are the cost and run on two threads once the batch is in.
+        found = self._call("read", len(keys), self.backend.read_into, names, blocks,
+                           landed if self._mac_helper is None else None)
         out = [False] * len(keys)
         if found is _FAILED:
             return out
 
         def verdict_of(i: int) -> str | None:
+            if i in early:
+                return early[i]
             length, tail = found[i]
             return None if length < 0 else codec.verify(keys[i], length, tail, blocks[i])
 

@@ -65,7 +65,7 @@ from tierkv.tiers.remote import rdma
 import torch
 
 from tierkv.tiers.base import as_bytes
-from tierkv.tiers.remote.base import Deadline, RemoteUnavailable
+from tierkv.tiers.remote.base import Deadline, Landed, RemoteUnavailable
 from tierkv.tiers.remote.codec import TRAILER_BYTES
 from tierkv.tiers.remote.regions import TrailerPages, Regions, address
 
@@ -343,7 +343,9 @@ class MooncakeBackend:
 
     # -- read -------------------------------------------------------------------
 
-    def read_into(self, names: list[str], blocks: list[torch.Tensor]) -> list[tuple[int, bytes]]:
+    def read_into(self, names: list[str], blocks: list[torch.Tensor],
+                  landed: Landed | None = None) -> list[tuple[int, bytes]]:
+        """Values land a batch at a time (one transfer), so ``landed`` is not called."""
         out: list[tuple[int, bytes]] = []
         for start, end in self._chunks(len(names)):
             chunk, dst = names[start:end], blocks[start:end]

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit, urlunsplit
 import torch
 
 from tierkv.tiers.base import as_bytes
-from tierkv.tiers.remote.base import RemoteUnavailable
+from tierkv.tiers.remote.base import Landed, RemoteUnavailable
 from tierkv.tiers.remote.codec import TRAILER_BYTES
 from tierkv.tiers.remote.resp import ERROR, ReplyReader
 
@@ -146,7 +146,10 @@ class RedisBackend:
             pool.release(conn)
         return [r in (True, b"OK", "OK") for r in replies]
 
-    def read_into(self, names: list[str], blocks: list[torch.Tensor]) -> list[tuple[int, bytes]]:
+    def read_into(self, names: list[str], blocks: list[torch.Tensor],
+                  landed: Landed | None = None) -> list[tuple[int, bytes]]:
+        """One pipelined round trip; each payload is received straight into its block, and
+        ``landed`` hears of it before the next reply is read (while it is still in cache)."""
         if self.cluster:
             return self._read_pipelined(names, blocks)
         pool = self.client.connection_pool
@@ -154,7 +157,11 @@ class RedisBackend:
         try:
             conn.send_packed_command(conn.pack_commands([("GET", name) for name in names]), check_health=False)
             reader = ReplyReader(conn._sock)  # redis-py's parser never sees these replies
-            found = [reader.bulk(as_bytes(block)) for block in blocks]
+            found = []
+            for i, block in enumerate(blocks):
+                found.append(reader.bulk(as_bytes(block)))
+                if landed is not None and found[i][0] != ERROR:
+                    landed(i, *found[i])
         except (*self._errors, RemoteUnavailable) as exc:
             conn.disconnect()
             raise RemoteUnavailable(repr(exc)) from None
