@@ -121,23 +121,27 @@ class RedisBackend:
                         blocks: list[torch.Tensor]) -> list[bool]:
         """SETs whose value goes out as block + trailer pieces: the block is never copied into one string.
 
-        The trailers are built first, so the whole batch then goes out back to back (measured 2-5 %
-        faster than hashing each block between its send and the next, which lets the pipe drain),
-        and the replies are read once all are sent (one round trip per batch).
+        Each block's trailer is built right before the block is sent, so the
+        checksum pass pulls the block into cache and the send copies it from
+        there: 0.94x raw redis-py against 0.90x when the batch's trailers were
+        built first (four alternating runs each, raw and tier on one
+        connection; an earlier result the other way compared two connections,
+        which differ by more than that). A trailer rides with the next
+        command; the replies are read once all are sent (one round trip per
+        batch).
         """
-        trailers = [trailer(i) for i in range(len(names))]
-        chunks: list[bytes | memoryview] = []
-        carry = b""  # the previous value's trailer and CRLF ride with the next command
-        for name, block, tail in zip(names, blocks, trailers):
-            key, payload = name.encode(), as_bytes(block)
-            size = len(payload) + TRAILER_BYTES
-            chunks += (b"%s*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (carry, len(key), key, size), payload)
-            carry = tail + b"\r\n"
-        chunks.append(carry)
         pool = self.client.connection_pool
         conn = pool.get_connection()
         try:
-            conn.send_packed_command(chunks, check_health=False)
+            carry = b""  # the previous value's trailer and CRLF ride with the next command
+            for i, (name, block) in enumerate(zip(names, blocks)):
+                key, payload = name.encode(), as_bytes(block)
+                tail = trailer(i)
+                head = b"%s*3\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n" % (
+                    carry, len(key), key, len(payload) + TRAILER_BYTES)
+                conn.send_packed_command((head, payload), check_health=False)
+                carry = tail + b"\r\n"
+            conn.send_packed_command((carry,), check_health=False)
             replies = [conn.read_response(disconnect_on_error=True) for _ in names]
         except self._errors as exc:
             conn.disconnect()
