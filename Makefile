@@ -36,11 +36,11 @@ $(VLLM_STAMP): pyproject.toml $(SHARED)/vllm-cpu/requirements-cpu-lock.txt
 	$(VLLM_PY) -m pip install -q torch==2.13.0
 	$(VLLM_PY) -m pip install -q --no-deps vllm==0.32.0
 	$(VLLM_PY) -m pip install -q --no-deps -r $(SHARED)/vllm-cpu/requirements-cpu-lock.txt
-	$(VLLM_PY) -m pip install -q --no-deps xxhash lmdb
+	$(VLLM_PY) -m pip install -q --no-deps xxhash lmdb redis
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	touch $@
 
-test-vllm: $(VLLM_STAMP)
+test-vllm: $(VLLM_STAMP) system-deps
 	HF_HUB_OFFLINE=1 $(VLLM_PY) -m pytest -q tests/vllm
 
 demo: setup

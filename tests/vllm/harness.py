@@ -213,6 +213,17 @@ class Engine:
         self.connector.shutdown()
 
 
+def blocks_hold(e: Engine, req_id: str, tokens: list[int], n_blocks: int) -> list[bool]:
+    """Per leading block of ``req_id``: vLLM's block holds what the model writes for ``tokens`` there."""
+    ids = e.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
+    return [e.block_matches(ids[i], tokens[i * BLOCK:(i + 1) * BLOCK], i * BLOCK) for i in range(n_blocks)]
+
+
+def no_pins(e: Engine) -> bool:
+    """No block of the store is pinned any more (every load's match was released)."""
+    return all(entry.ref_count == 0 for entry in e.store.index.entries())
+
+
 def make_engine(extra: dict, num_blocks: int = 64, max_batched: int = 512) -> Engine:
     """A real Scheduler with TierKVConnector on both sides and vLLM-allocated CPU caches."""
     init_none_hash(sha256)

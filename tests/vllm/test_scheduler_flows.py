@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from harness import BLOCK, Engine, prompt
+from harness import BLOCK, Engine, blocks_hold, no_pins, prompt
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
@@ -20,15 +20,6 @@ def populate(e: Engine, tokens: list[int]) -> None:
     e.run()
     assert req.is_finished()
     e.forget_local_cache()
-
-
-def blocks_hold(e: Engine, req_id: str, tokens: list[int], n_blocks: int) -> list[bool]:
-    ids = e.scheduler.kv_cache_manager.get_block_ids(req_id)[0]
-    return [e.block_matches(ids[i], tokens[i * BLOCK:(i + 1) * BLOCK], i * BLOCK) for i in range(n_blocks)]
-
-
-def no_pins(e: Engine) -> bool:
-    return all(entry.ref_count == 0 for entry in e.store.index.entries())
 
 
 def test_no_hit_computes_everything_and_saves_full_blocks(engine):
