@@ -36,12 +36,16 @@ class VllmSettings:
     full blocks to the store. ``save_async``: gather and write them on a
     background thread. ``kv_split``: how K and V share a page (``auto``:
     ``planes`` on CPU as vLLM's CPU backend does, ``tokens`` on CUDA).
+    ``landing_blocks``: page-aligned CPU slots that loads land in, registered
+    with the L4 client (``landing.py``); a load that finds no free run gets a
+    fresh tensor; 0 turns them off.
     """
 
     load_async: str = "auto"
     save: bool = True
     save_async: bool = True
     kv_split: str = "auto"
+    landing_blocks: int = 256
 
     def __post_init__(self) -> None:
         if self.load_async not in LOAD_ASYNC:
@@ -51,6 +55,8 @@ class VllmSettings:
         for name in ("save", "save_async"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"vllm.{name}: expected true or false, got {getattr(self, name)!r}")
+        if isinstance(self.landing_blocks, bool) or not isinstance(self.landing_blocks, int) or self.landing_blocks < 0:
+            raise ValueError(f"vllm.landing_blocks: expected an integer >= 0, got {self.landing_blocks!r}")
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,9 @@ def load_config(extra: Mapping[str, Any] | None, model_id: str, model_revision: 
             key = name[len(_ENV_PREFIX):].lower()
             if key not in allowed:
                 raise ValueError(f"{name}: unknown setting vllm.{key}; expected one of {sorted(allowed)}")
-            vllm[key] = _coerce_bool(raw) if isinstance(allowed[key], bool) else raw
+            default = allowed[key]
+            vllm[key] = (_coerce_bool(raw) if isinstance(default, bool)
+                         else _coerce_int(raw) if isinstance(default, int) else raw)
     for key in vllm:
         if key not in allowed:
             raise ValueError(f"vllm.{key}: unknown setting; expected one of {sorted(allowed)}")
@@ -103,3 +111,10 @@ def _read_toml(path: Any) -> dict[str, Any]:
 
 def _coerce_bool(raw: str) -> bool | str:
     return {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}.get(raw.strip().lower(), raw)
+
+
+def _coerce_int(raw: str) -> int | str:
+    try:
+        return int(raw.strip())
+    except ValueError:
+        return raw  # VllmSettings names the field and what it allows

@@ -1,7 +1,8 @@
 """Worker side of the vLLM connector: moves blocks between the store and vLLM's KV cache.
 
-Loads: ``store.load`` reads the blocks into staging canonical blocks (on the
-store's transfer threads), then ``scatter_blocks`` writes them into vLLM's
+Loads: ``store.load`` reads the blocks into landing blocks (``landing.py``:
+page-aligned, registered with L4; on the store's transfer threads), then
+``scatter_blocks`` writes them into vLLM's
 per-layer caches — inside ``start_load_kv`` for a synchronous load, from
 ``get_finished`` for an asynchronous one, whose request vLLM holds in
 WAITING_FOR_REMOTE_KVS meanwhile. Only the leading run of good blocks is
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierkv.connectors.vllm.config import VllmSettings
+from tierkv.connectors.vllm.landing import LandingPool
 from tierkv.connectors.vllm.layout import cache_view, resolve_split
 from tierkv.connectors.vllm.metadata import LoadSpec, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.kernels import gather_blocks, scatter_blocks
@@ -87,6 +89,7 @@ class ConnectorWorker:
         self._report: set[str] = set()
         self._jobs: list[Future] = []
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="tierkv-vllm-save")
+        self.landing = LandingPool(store, settings.landing_blocks)
         # Without L2 and L3 the index tracks nothing the connector saved (L4 is untracked).
         self._listening = store.l2 is not None or store.l3 is not None
         if self._listening:
@@ -118,7 +121,7 @@ class ConnectorWorker:
         found = max(0, end - spec.start)
         sub = Match(m.keys[spec.start : spec.start + found], m.tiers[spec.start : spec.start + found],
                     m.entries[spec.start : spec.start + found], m.block_size)
-        staging = torch.empty((found, *self.layout.block_shape), dtype=self.layout.torch_dtype)
+        staging = self.landing.take(found)
         if found:
             handle = self.store.load(sub, list(staging.unbind(0)))
         else:
@@ -138,7 +141,10 @@ class ConnectorWorker:
         if good:
             self._wait_for_readers(spec.block_ids[:good])
             ids = torch.tensor(spec.block_ids[:good], dtype=torch.int64, device=self.kv.device)
+            # On CUDA, .to() returns once the host blocks are read (they are not pinned), so
+            # the landing slots can go back right after.
             scatter_blocks(self.kv, ids, load.staging[:good].to(self.kv.device, non_blocking=True))
+        self.landing.give_back(load.staging)
         self._errors.update(spec.block_ids[good:])
         self.store.release(load.match)
         with self._lock:
@@ -295,4 +301,6 @@ class ConnectorWorker:
             except Exception:  # shutting down: the outcome no longer matters
                 pass
             self.store.release(load.match)
+            self.landing.give_back(load.staging)
         self._async.clear()
+        self.landing.close()

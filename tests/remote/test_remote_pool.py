@@ -370,3 +370,42 @@ def test_first_call_of_a_fresh_tier_may_be_a_read(pool, tmp_path, layout):
     finally:
         writer.close()
         reader.close()
+
+
+def test_connector_landing_slots_take_l4_values_in_place_until_unregistered(pool, tmp_path, layout):
+    # The vLLM connector loads into LandingPool slots: registered with the store's L4 (with
+    # trailer room on Mooncake), so a hit lands whole in place; a fresh tensor goes staged.
+    from tierkv.connectors.vllm.landing import LandingPool
+
+    a, b = two_nodes(tmp_path, layout, pool.url)
+    landing = LandingPool(b, 8)
+    try:
+        tokens, keys = saved_in_l4(a, 21, 4, layout)
+        m = b.lookup(tokens)
+        assert m.tiers == [Tier.L4] * 4
+        blocks = landing.take(4)
+        assert landing.owns(blocks) and landing.num_free == 4 and blocks.data_ptr() % 4096 == 0
+        assert b.load(m, list(blocks.unbind(0))).wait(30).ok == [True] * 4
+        assert all(same_bytes(blk, block_for(k, layout)) for blk, k in zip(blocks, keys))
+        s = b.stats()["l4"]
+        if s["backend"] == "mooncake":
+            assert landing.slots.slot_room >= TRAILER_BYTES
+            assert s["in_place_calls"] >= 1 and s["direct_calls"] == 0 and s["staged_calls"] == 0
+        b.release(m)
+        landing.give_back(blocks)
+        assert landing.num_free == 8
+
+        # Once unregistered, the same slots are ordinary memory for the pool client: staged.
+        registered = b.stats()["l4"].get("registered_bytes", 0)
+        landing.close()
+        m = b.lookup(tokens)
+        blocks = landing.slots.pool[:4]
+        assert b.load(m, list(blocks.unbind(0))).wait(30).ok == [True] * 4
+        assert all(same_bytes(blk, block_for(k, layout)) for blk, k in zip(blocks, keys))
+        s = b.stats()["l4"]
+        if s["backend"] == "mooncake":
+            assert s["staged_calls"] >= 1 and s["registered_bytes"] < registered
+        b.release(m)
+    finally:
+        a.close()
+        b.close()

@@ -8,6 +8,7 @@ back into the store -> the same bytes.
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
@@ -107,11 +108,11 @@ def test_view_over_vllm_caches_is_the_cpu_backend_split(engine):
 
 def test_config_layers_extra_config_and_env():
     extra = {"l2": {"capacity": "2GiB"}, "l1": {"num_blocks": 8}, "vllm": {"load_async": "always"}}
-    env = {"TIERKV_L2_CAPACITY": "1GiB", "TIERKV_VLLM_SAVE_ASYNC": "false"}
+    env = {"TIERKV_L2_CAPACITY": "1GiB", "TIERKV_VLLM_SAVE_ASYNC": "false", "TIERKV_VLLM_LANDING_BLOCKS": "64"}
     cfg = load_config(extra, "my/model", "abc", env=env)
     assert cfg.store.model_id == "my/model" and cfg.store.model_revision == "abc"
     assert cfg.store.l2.capacity == 1 << 30 and cfg.store.l1.num_blocks == 0
-    assert (cfg.vllm.load_async, cfg.vllm.save_async) == ("always", False)
+    assert (cfg.vllm.load_async, cfg.vllm.save_async, cfg.vllm.landing_blocks) == ("always", False, 64)
 
 
 @pytest.mark.parametrize("extra, env, message", [
@@ -119,7 +120,34 @@ def test_config_layers_extra_config_and_env():
     ({"vllm": {"speed": 1}}, {}, "vllm.speed: unknown setting"),
     ({"l2": {"capacity": "lots"}}, {}, "l2.capacity: expected a size"),
     ({}, {"TIERKV_VLLM_COLOR": "red"}, "TIERKV_VLLM_COLOR: unknown setting vllm.color"),
+    ({"vllm": {"landing_blocks": -1}}, {}, "vllm.landing_blocks: expected an integer >= 0, got -1"),
+    ({}, {"TIERKV_VLLM_LANDING_BLOCKS": "lots"}, "vllm.landing_blocks: expected an integer >= 0, got 'lots'"),
 ])
 def test_config_errors_name_the_field(extra, env, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         load_config(extra, "m", None, env=env)
+
+
+@pytest.mark.parametrize("landing_blocks, lands", [(64, True), (2, False), (0, False)])
+def test_loads_land_in_page_aligned_slots_or_fall_back_to_a_fresh_tensor(engine, landing_blocks, lands):
+    # An async L3 load of 3 blocks holds 3 consecutive landing slots until it is scattered, then
+    # gives them back; with fewer slots than that (or none) it lands in a fresh tensor instead.
+    # Either way vLLM's blocks end up with the same bytes.
+    e = engine(l2="0", save_async=False, landing_blocks=landing_blocks)
+    w = e.worker._worker
+    blocks = canonical(e, 3, seed=7)
+    keys = e.store.hash(list(range(3 * BLOCK)))
+    assert e.store.put_blocks(keys, list(blocks)) == [True] * 3
+    run_step(e, TierKVMetadata(loads=[LoadSpec("r", keys, 0, [9, 2, 5], True)]))
+    (load,) = w._async.values()
+    assert w.landing.owns(load.staging) == lands
+    if lands:
+        assert load.staging.data_ptr() % 4096 == 0 and w.landing.num_free == landing_blocks - 3
+    deadline = time.monotonic() + 30
+    while w._async:
+        assert time.monotonic() < deadline, "the async load never finished"
+        w.get_finished(set())
+        time.sleep(0.01)
+    assert w.landing.num_free == landing_blocks and w.landing.fallbacks == (0 if lands else 1)
+    assert w.get_block_ids_with_load_errors() == set()
+    assert [vllm_holds(e, b, blk) for b, blk in zip([9, 2, 5], blocks)] == [True] * 3

@@ -173,6 +173,9 @@ class RemoteBackend(Protocol):
         backend. ``slot_bytes`` > 0: the memory is slots of that size, each a block followed by
         room the backend may write a trailer into. A no-op for clients that need none."""
 
+    def unregister(self, ptr: int) -> None:
+        """Undo ``register`` of the memory at ``ptr`` before it is freed. A no-op where ``register`` is one."""
+
     def delete(self, names: list[str]) -> None: ...
 
     def info(self) -> dict: ...
@@ -303,6 +306,16 @@ class RemoteTier:
             nbytes = (memory.shape[0] - 1) * slot + block + room  # the last slot's room included
             self.backend.register(memory.data_ptr(), nbytes, slot if room else 0)
         except (RemoteUnavailable, *self.backend.errors) as exc:  # its blocks are staged instead
+            self._on_failure(self.name, "register", 0, f"{self.backend.url}: {exc!r}")
+
+    def unregister(self, memory: torch.Tensor) -> None:
+        """Undo ``register(memory)`` before the memory is freed; no call moving data there may be
+        running. Its blocks go through staging afterwards. Never raises for a pool failure."""
+        if memory.device.type != "cpu" or not memory.numel():
+            return
+        try:
+            self.backend.unregister(memory.data_ptr())
+        except (RemoteUnavailable, *self.backend.errors) as exc:
             self._on_failure(self.name, "register", 0, f"{self.backend.url}: {exc!r}")
 
     def get(self, keys: Sequence[bytes], dst: Sequence[torch.Tensor]) -> list[bool]:

@@ -220,6 +220,14 @@ class MooncakeBackend:
                     raise RemoteUnavailable(f"registering {nbytes} bytes failed with code {rc}")
             self._regions.add(ptr, nbytes, slot_bytes)
 
+    def unregister(self, ptr: int) -> None:
+        """Forget the region registered at ``ptr``; blocks there go staged from now on. The caller
+        makes sure no call moving data there is running (as for freeing any transfer memory)."""
+        with self._connect_lock:
+            self._regions.remove(ptr)
+            if self._store is not None:
+                self._connect_deadline.run(self._store.unregister_buffer, ptr)
+
     def _client(self):
         """The connected store, connecting first when needed (bounded by the connect deadline)."""
         store = self._store

@@ -201,6 +201,9 @@ class RedisBackend:
     def register(self, ptr: int, nbytes: int, slot_bytes: int = 0) -> None:
         pass  # sockets need no registration
 
+    def unregister(self, ptr: int) -> None:
+        pass
+
     def delete(self, names: list[str]) -> None:
         try:
             self.client.delete(*names)
