@@ -36,7 +36,7 @@ $(VLLM_STAMP): pyproject.toml $(SHARED)/vllm-cpu/requirements-cpu-lock.txt
 	$(VLLM_PY) -m pip install -q torch==2.13.0
 	$(VLLM_PY) -m pip install -q --no-deps vllm==0.32.0
 	$(VLLM_PY) -m pip install -q --no-deps -r $(SHARED)/vllm-cpu/requirements-cpu-lock.txt
-	$(VLLM_PY) -m pip install -q --no-deps xxhash lmdb redis
+	$(VLLM_PY) -m pip install -q --no-deps xxhash lmdb redis "mooncake-transfer-engine-non-cuda>=0.3.7"
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	touch $@
 

@@ -2,7 +2,7 @@
 
 ``engine(l2=..., l3=..., policy=..., node=..., l4=..., write=..., **vllm)`` builds a
 harness Engine whose store lives under the test's tmp dir; every engine is closed at
-teardown. ``redis_server`` is the real server of ``tests/_servers.py``.
+teardown. ``redis_server`` and ``mooncake_pool`` are the real pools of ``tests/_servers.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("vllm.v1.core.sched.scheduler", reason="the vLLM tests run in .venv-vllm (make test-vllm)")
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _servers import redis_server  # noqa: E402, F401  (a real redis-server for the two-node tests)
+from _servers import mooncake_pool, redis_server  # noqa: E402, F401  (real pools for the two-node tests)
 from harness import Engine, make_engine  # noqa: E402
 
 

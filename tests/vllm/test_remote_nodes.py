@@ -1,13 +1,15 @@
 """Two vLLM nodes share one L4 pool: what node A computed, node B's scheduler finds and loads.
 
 Each node has its own vLLM scheduler, KV cache, L2 and L3 directory; they share
-only a real redis-server. Node B never computed the prompt: its hit can only
-come from what node A wrote to the pool, and the bytes in B's vLLM blocks must
-be what the model would have written there.
+only a real pool (redis-server, or mooncake_master with one pool node). Node B
+never computed the prompt: its hit can only come from what node A wrote to the
+pool, and the bytes in B's vLLM blocks must be what the model would have
+written there.
 """
 
 from __future__ import annotations
 
+import pytest
 from harness import Engine, blocks_hold, no_pins, prompt
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
@@ -15,13 +17,18 @@ from vllm.v1.request import RequestStatus
 from tierkv.index import Tier
 
 
+@pytest.fixture(params=["redis", "mooncake"])
+def pool(request):
+    return request.getfixturevalue("redis_server" if request.param == "redis" else "mooncake_pool")
+
+
 def sent_to_l4(e: Engine) -> None:
     """Wait until every L4 put node ``e`` queued so far has been sent (the IO thread runs them in order)."""
     e.store.transfer.io(lambda: None).result(timeout=60)
 
 
-def test_node_b_loads_from_l4_what_node_a_computed(engine, redis_server):
-    l4 = {"url": redis_server.url, "timeout_ms": 2000}
+def test_node_b_loads_from_l4_what_node_a_computed(engine, pool):
+    l4 = {"url": pool.url, "timeout_ms": 2000}
     a = engine(node="a", l4=l4, write="write_through", save_async=False)
     b = engine(node="b", l4=l4, save_async=False)
     p = prompt(11, 100)
@@ -47,16 +54,18 @@ def test_node_b_loads_from_l4_what_node_a_computed(engine, redis_server):
     assert req.is_finished() and len(req.output_token_ids) == 3 and no_pins(b)
     s = b.store.stats()["l4"]
     assert s["hits"] == 3 and s["bad_values"] == 0
+    if s["backend"] == "mooncake":  # landed whole in B's registered landing slots: no staging copy
+        assert s["in_place_calls"] >= 1 and s["staged_calls"] == 0
 
 
-def test_a_pool_that_is_down_is_a_miss_and_node_b_computes(engine, redis_server):
-    l4 = {"url": redis_server.url, "timeout_ms": 300, "breaker_failures": 1}
+def test_a_pool_that_is_down_is_a_miss_and_node_b_computes(engine, pool):
+    l4 = {"url": pool.url, "timeout_ms": 300, "breaker_failures": 1}
     a = engine(node="a", l4=l4, write="write_through", save_async=False)
     p = prompt(12, 100)
     a.add("a1", p)
     a.run()
     sent_to_l4(a)
-    redis_server.kill()
+    pool.kill()
     b = engine(node="b", l4=l4, save_async=False)
     req = b.add("b1", p)
     step = b.step()
