@@ -46,10 +46,12 @@ test-vllm: $(VLLM_STAMP) system-deps
 demo: setup
 	$(VENV)/bin/tierkv run
 
-bench: setup
+bench: setup system-deps
 	$(PY) bench/tiers.py --quick --json bench/results/tiers.json
 	$(PY) bench/lookup.py --quick --json bench/results/lookup.json
 	$(PY) bench/connector.py --quick --json bench/results/connector.json
+	$(PY) bench/remote.py --quick --json bench/results/remote.json
+	$(PY) bench/landing.py --quick --json bench/results/landing.json
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache
