@@ -297,3 +297,28 @@ def test_bfloat16_blocks_round_trip(pool):
         assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(loose, src))
     finally:
         tier.close()
+
+
+def test_a_put_that_fails_mid_batch_leaves_no_half_sent_commands_on_the_connection(redis_server):
+    # Trailers are built as the blocks go out: if building one raises after others were sent,
+    # the pooled connection must not carry their replies into the next call.
+    tier = tier_for(redis_server.url)
+    try:
+        keys = [key_of("half", i) for i in range(3)]
+        blocks = [block_for(k, LAYOUT) for k in keys]
+
+        def failing(i):
+            if i == 2:
+                raise RuntimeError("trailer failed")
+            return tier.codec.trailer(keys[i], blocks[i])
+
+        with pytest.raises(RuntimeError, match="trailer failed"):
+            tier.backend.write([tier.key_name(k) for k in keys], failing, blocks)
+        for _ in range(2):  # the pool's next connection answers its own commands
+            assert tier.put(keys, blocks) == [True] * 3
+            dst = [torch.empty(LAYOUT.block_shape, dtype=LAYOUT.torch_dtype) for _ in keys]
+            assert tier.get(keys, dst) == [True] * 3
+            assert all(same_bytes(d, b) for d, b in zip(dst, blocks))
+        assert tier.stats()["failed_calls"] == 0
+    finally:
+        tier.close()

@@ -146,6 +146,9 @@ class RedisBackend:
         except self._errors as exc:
             conn.disconnect()
             raise RemoteUnavailable(repr(exc)) from None
+        except BaseException:
+            conn.disconnect()  # a half-sent batch: its replies must not meet the next caller
+            raise
         finally:
             pool.release(conn)
         return [r in (True, b"OK", "OK") for r in replies]
