@@ -4,7 +4,8 @@ correctness           every Triton kernel on CUDA against its torch reference
                       (paged_attention vs the CPU reference computed in fp32 on
                       the same values: fp32 rel err <= 1e-5,
                       fp16 <= 2e-3, bf16 <= 1.6e-2; write_kv and gather/scatter
-                      bit-exact against the reference on CUDA)
+                      bit-exact against the reference on CUDA, scatter also from
+                      the connector's landing slots with trailer room, via .to())
 device_copy_gbps      a device-to-device copy: (bytes read + bytes written) / s
 decode_read_gbps      decode paged attention: K/V bytes read / kernel time
 decode_fraction       decode_read_gbps / device_copy_gbps
@@ -178,6 +179,29 @@ def check_gather_scatter() -> list[dict]:
     return rows
 
 
+def check_landing_scatter() -> list[dict]:
+    """The vLLM connector's CUDA load path with a Mooncake L4: a run of landing slots with trailer
+    room (strided on the host) goes to the device with ``.to()`` and is scattered; bit-exact
+    against the reference fed the same blocks made contiguous."""
+    from tierkv.kernels import gather_scatter
+    from tierkv.kernels.reference import scatter_blocks_ref
+    from tierkv.layout import KVLayout
+    from tierkv.tiers.device import DeviceTier
+
+    layers, n, block, hkv, d = 8, 96, 16, 8, 128
+    layout = KVLayout(num_layers=layers, num_kv_heads=hkv, head_dim=d, block_size=block, dtype="float16")
+    slots = DeviceTier(layout, 8, "cpu", slot_room=64)  # as LandingPool builds them for mooncake://
+    run = slots.pool[2:5]
+    run.copy_(torch.randn(3, *layout.block_shape).to(torch.float16))
+    ids = torch.tensor([7, 3, 50], device=DEVICE, dtype=torch.int64)
+    got = torch.zeros(layers, n, 2, block, hkv, d, device=DEVICE, dtype=torch.float16)
+    want = torch.zeros_like(got)
+    gather_scatter.scatter_blocks(got, ids, run.to(DEVICE, non_blocking=True))
+    scatter_blocks_ref(want, ids, run.contiguous().to(DEVICE))
+    return [dict(kernel="scatter_blocks", case="landing_slots_with_room", dtype="torch.float16", rel_err=0.0,
+                 tol=0.0, ok=bool(torch.equal(got, want)) and bool(got.any()))]
+
+
 def device_copy_gbps(nbytes: int) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE).random_(0, 256)
     dst = torch.empty_like(src)
@@ -273,7 +297,7 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     started = time.perf_counter()
-    checks = check_attention() + check_write_kv() + check_gather_scatter()
+    checks = check_attention() + check_write_kv() + check_gather_scatter() + check_landing_scatter()
     size = SIZES["quick" if args.quick else "full"]
     copy_gbps = device_copy_gbps(size["copy_mib"] << 20)
     decode = decode_bandwidth(size["decode_seqs"], size["decode_ctx"], copy_gbps)
