@@ -32,7 +32,7 @@ class LandingPool:
     def __init__(self, store: TierKVStore, num_blocks: int) -> None:
         self.layout = store.layout
         self._l4 = store.l4
-        room = trailer_room(store.config.l4.url) if store.l4 is not None else 0
+        room = trailer_room(store.config.l4.url)
         self.slots = DeviceTier(store.layout, num_blocks, "cpu", slot_room=room) if num_blocks else None
         self._free = bytearray(b"\x01") * num_blocks
         self._lock = threading.Lock()

@@ -93,7 +93,7 @@ class TierKVStore(StoreWrites):
         self._lock = threading.RLock()
         n1 = cfg.l1.num_blocks if l1_blocks is None else l1_blocks
         # With a Mooncake L4 each CPU slot keeps room for a value trailer: values land in one piece.
-        room = trailer_room(cfg.l4.url) if cfg.l4.url else 0
+        room = trailer_room(cfg.l4.url)
         self.l1 = DeviceTier(layout, n1, cfg.l1.device, slot_room=room) if n1 > 0 else None
         n2 = cfg.l2.capacity // layout.block_bytes
         self.l2 = HostTier(layout, n2, cfg.l2.shared_name, cfg.l2.pin) if n2 > 0 else None
