@@ -43,15 +43,12 @@ class LandingPool:
     def take(self, n: int) -> torch.Tensor:
         """``[n, *block_shape]`` blocks to load into: ``n`` consecutive landing slots when a run is
         free (the caller owns them until ``give_back``), else a fresh tensor."""
-        if n and n <= len(self._free):
-            with self._lock:
-                start = self._free.find(b"\x01" * n)
-                if start >= 0:
-                    self._free[start:start + n] = bytes(n)
-                    return self.slots.pool[start:start + n]
-        if n:
-            with self._lock:
-                self.fallbacks += 1
+        with self._lock:
+            start = self._free.find(b"\x01" * n) if n else -1  # -1 too when n exceeds the pool
+            if start >= 0:
+                self._free[start:start + n] = bytes(n)
+                return self.slots.pool[start:start + n]
+            self.fallbacks += bool(n)
         return torch.empty((n, *self.layout.block_shape), dtype=self.layout.torch_dtype)
 
     def give_back(self, blocks: torch.Tensor) -> None:
