@@ -266,7 +266,7 @@ class MooncakeBackend:
         """(the blocks' addresses, whether each has trailer room after it) when every one lies in
         registered memory, else (None, False)."""
         ptrs = [b.data_ptr() for b in blocks]
-        where = self._regions.placement(ptrs, _nbytes(blocks[0]) if blocks else 0)
+        where = self._regions.placement(ptrs, blocks[0].nbytes if blocks else 0)
         return (None if where is None else ptrs), where == "room"
 
     def _direct_call(self, fn: Callable, *args, in_place: bool = False):
@@ -312,7 +312,7 @@ class MooncakeBackend:
     def _write_in_place(self, _page: int, names: list[str], start: int, trailer: Callable[[int], bytes],
                         blocks: list[torch.Tensor], ptrs: list[int]) -> list[bool]:
         """Each value goes out in one piece: its trailer written into the room after its block."""
-        nbytes = _nbytes(blocks[0])
+        nbytes = blocks[0].nbytes
         for j, ptr in enumerate(ptrs):
             ctypes.memmove(ptr + nbytes, trailer(start + j), TRAILER_BYTES)
         return self._put_verdicts(self._store.batch_put_from(names, ptrs, [nbytes + TRAILER_BYTES] * len(ptrs)))
@@ -323,7 +323,7 @@ class MooncakeBackend:
         view = self._tails.view
         for j in range(len(names)):
             view[page + j * TRAILER_BYTES:page + (j + 1) * TRAILER_BYTES] = trailer(start + j)
-        nbytes = _nbytes(blocks[0])
+        nbytes = blocks[0].nbytes
         return self._put_verdicts(self._store.batch_put_from_multi_buffers(names, *self._pieces(page, ptrs, nbytes)))
 
     def _write_staged(self, names: list[str], start: int, trailer: Callable[[int], bytes],
@@ -375,7 +375,7 @@ class MooncakeBackend:
     def _read_direct(self, page: int, names: list[str], blocks: list[torch.Tensor],
                      ptrs: list[int]) -> list[tuple[int | None, bytes]]:
         """Payloads straight into the caller's blocks, trailers into the page. Length None: read it again staged."""
-        nbytes = _nbytes(blocks[0])
+        nbytes = blocks[0].nbytes
         codes = self._store.batch_get_into_multi_buffers(names, *self._pieces(page, ptrs, nbytes))
         if codes and all(c < 0 and c != _OBJECT_NOT_FOUND for c in codes):
             raise RemoteUnavailable(f"get failed with codes {sorted(set(codes))}")
@@ -388,7 +388,7 @@ class MooncakeBackend:
                        ptrs: list[int]) -> list[tuple[int | None, bytes]]:
         """Whole values into the slots, each trailer into the room after its block. A shorter value
         is judged from its own last bytes; length None (longer, or failed): read it again staged."""
-        nbytes = _nbytes(blocks[0])
+        nbytes = blocks[0].nbytes
         want = nbytes + TRAILER_BYTES
         codes = self._store.batch_get_into(names, ptrs, [want] * len(ptrs))
         if codes and all(c < 0 and c not in (_OBJECT_NOT_FOUND, _BUFFER_TOO_SMALL) for c in codes):
@@ -453,7 +453,3 @@ class MooncakeBackend:
                 store.close()
             except Exception:  # closing a client whose master is gone is best effort
                 pass
-
-
-def _nbytes(block: torch.Tensor) -> int:
-    return block.numel() * block.element_size()
