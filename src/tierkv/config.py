@@ -24,6 +24,12 @@ _UNITS = {
 }
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 
+# The names config accepts. This module is a leaf (it imports nothing from tierkv),
+# so the registries that implement these names (tierkv.policy.POLICIES,
+# tierkv.hashing.ALGORITHMS) are checked against them by tests/test_imports.py.
+POLICY_NAMES = ("cost_aware", "lfu", "lru")
+HASH_ALGORITHMS = ("xxh3_128", "sha256", "blake2b")
+
 
 def parse_size(value: Any, name: str) -> int:
     """Bytes from an int or a string like ``"8GiB"``, ``"512 MiB"``, ``"1.5GB"``."""
@@ -162,9 +168,7 @@ class PolicyConfig:
     WRITES = ("write_back", "write_through", "write_through_selective")
 
     def __post_init__(self) -> None:
-        from tierkv.policy import POLICIES
-
-        _check_choice(self.name, "policy.name", tuple(sorted(POLICIES)))
+        _check_choice(self.name, "policy.name", POLICY_NAMES)
         _check_choice(self.write, "policy.write", self.WRITES)
         _check_float(self.half_life, "policy.half_life", 0.0, strict=True)
         _check_float(self.reuse_exponent, "policy.reuse_exponent", 0.0, strict=True)
@@ -178,9 +182,7 @@ class HashingConfig:
     key: str = ""
 
     def __post_init__(self) -> None:
-        from tierkv.hashing import ALGORITHMS
-
-        _check_choice(self.algorithm, "hashing.algorithm", ALGORITHMS)
+        _check_choice(self.algorithm, "hashing.algorithm", HASH_ALGORITHMS)
         try:
             raw = bytes.fromhex(_check_str(self.key, "hashing.key"))
         except ValueError:
@@ -325,7 +327,6 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     """``TIERKV_*`` variables as a nested dict; unknown names fail naming the variable."""
     out: dict[str, Any] = {}
     top = {f.name: f for f in fields(StoreConfig) if f.name not in _SECTIONS}
-    defaults = StoreConfig.__new__(StoreConfig)
     for name, raw in env.items():
         if not name.startswith("TIERKV_") or name in _NOT_STORE_VARS or name.startswith("TIERKV_VLLM_"):
             continue
@@ -341,5 +342,4 @@ def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
             out.setdefault(section, {})[field_name] = _coerce(raw, default[field_name])
         else:
             raise ValueError(f"{name}: unknown setting; expected TIERKV_<section>_<field> with section in {sorted(_SECTIONS)}")
-    del defaults
     return out

@@ -19,7 +19,7 @@ import xxhash
 BlockHash = NewType("BlockHash", bytes)
 """16 bytes naming a block and, through the chain, its whole prefix."""
 
-ALGORITHMS = ("xxh3_128", "sha256", "blake2b")
+ALGORITHMS = ("xxh3_128", "sha256", "blake2b")  # config.HASH_ALGORITHMS names the same (tested)
 HASH_BYTES = 16
 
 

@@ -18,10 +18,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from enum import IntEnum
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from tierkv.policy.base import EvictionPolicy
+from typing import Protocol
 
 log = logging.getLogger("tierkv")
 
@@ -69,6 +66,21 @@ class Entry:
         return f"Entry({self.key.hex()[:8]} d={self.depth} [{tiers}] ref={self.ref_count})"
 
 
+class Ranking(Protocol):
+    """What the index needs from a tier's eviction policy (``tierkv.policy.base.EvictionPolicy``).
+
+    Declared here so the index imports nothing from the policies: they depend
+    on the index (for ``Entry``), never the other way round.
+    """
+
+    def bind(self, index: PrefixIndex) -> None: ...
+    def add(self, entry: Entry) -> None: ...
+    def discard(self, entry: Entry) -> None: ...
+    def touch(self, entry: Entry) -> None: ...
+    def pop(self) -> Entry | None: ...
+    def __len__(self) -> int: ...
+
+
 class PrefixIndex:
     """hash -> Entry with longest-prefix match and per-tier eviction candidates.
 
@@ -76,7 +88,7 @@ class PrefixIndex:
     for an absent tier. ``half_life`` (in lookups) sets how fast ``freq`` decays.
     """
 
-    def __init__(self, policies: Sequence[EvictionPolicy | None], half_life: float = 2000.0) -> None:
+    def __init__(self, policies: Sequence[Ranking | None], half_life: float = 2000.0) -> None:
         if len(policies) != len(LOCAL_TIERS):
             raise ValueError(f"index.policies: expected {len(LOCAL_TIERS)} entries, got {len(policies)}")
         if half_life <= 0:
