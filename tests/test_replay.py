@@ -44,6 +44,11 @@ def test_a_block_hits_only_when_its_whole_prefix_is_cached(tmp_path):
     # Cost 1 + 0.5 d: hits weigh (1 + 1.5) twice; all blocks weigh 4.5 + 4.5 + 1 + 4.5.
     assert r.saved_cost == pytest.approx(5.0 / 14.5)
     assert r.evictions == {"l1": 3}
+    # Graded in FLOPs: hits are blocks 0 and 1 twice, of requests of 3, 3, 1 and 3 blocks.
+    for name, m in replay_tool.REFERENCE_MODELS.items():
+        b = [m.block_flops(d) for d in range(3)]
+        expect = 2 * (b[0] + b[1]) / (3 * sum(b) + b[0])
+        assert r.saved_flops_frac[name] == pytest.approx(expect, rel=1e-12), name
 
 
 def test_depth_weight_changes_the_cost_of_deep_blocks(tmp_path):
@@ -97,7 +102,8 @@ def test_command_line_writes_json_table_and_plot(tmp_path):
     assert data["accesses_per_s"] > 0
     single = [(r["policy"], r["capacity"]) for r in data["results"] if len(r["tiers"]) == 1]
     assert single == [("lru", 2), ("lru", 3), ("cost_aware", 2), ("cost_aware", 3)]
-    assert all({"hit_rate", "saved_cost"} <= set(r) for r in data["results"])
+    assert all({"hit_rate", "saved_cost", "saved_flops_frac"} <= set(r) for r in data["results"])
+    assert all(set(r["saved_flops_frac"]) >= {"llama-3.1-8b", "llama-3.1-70b"} for r in data["results"])
     multi = [r for r in data["results"] if len(r["tiers"]) > 1]
     assert [r["policy"] for r in multi] == ["lru", "cost_aware"] and multi[0]["hits_per_tier"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

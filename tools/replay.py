@@ -14,8 +14,11 @@ no bytes move. Per request:
    unless that tier already holds it (the store's write-back rule); then the
    request's pins are released.
 
-Metrics: ``hit_rate`` = hit blocks / all blocks; ``saved_cost`` = Σ cost of hit
-blocks / Σ cost of all blocks, a block at depth d costing ``1 + depth_weight·d``.
+Metrics: ``hit_rate`` = hit blocks / all blocks; ``saved_flops_frac`` = {reference
+model: Σ prefill FLOPs of hit blocks / Σ prefill FLOPs of all blocks}, priced by
+``tierkv.flops`` from each model's architecture (the grade; no policy parameter
+enters it); ``saved_cost`` = the same in the policy's own abstract units, a block
+at depth d costing ``1 + depth_weight·d`` (kept for comparison with old runs).
 In multi-tier mode (``--tiers l1=1000,l2=10000,l3=100000``) it also reports hits
 per tier and the cost model's estimated prefill time saved.
 
@@ -37,11 +40,13 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from tierkv.cost import CostModel  # noqa: E402
+from tierkv.flops import REFERENCE_MODELS  # noqa: E402
 from tierkv.index import LOCAL_TIERS, PrefixIndex  # noqa: E402
 from tierkv.policy import POLICIES, make_policy  # noqa: E402
 
 BLOCK_TOKENS = 512
 TIER_NAMES = ("l1", "l2", "l3")
+GRADE = "llama-3.1-8b"  # the reference model the table's ratios use
 # Reference model for the multi-tier time estimate: a Llama-3-8B-like fp16
 # layout (32 layers x 8 KV heads x 128 dims x K,V x 2 bytes = 128 KiB per token).
 REF_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
@@ -52,6 +57,7 @@ class ReplayResult:
     policy: str
     capacity: int
     hit_rate: float
+    saved_flops_frac: dict[str, float]
     saved_cost: float
     accesses: int
     seconds: float
@@ -124,8 +130,8 @@ class Replayer:
         while counts[tier] >= cap and self._evict(tier):
             pass
 
-    def run(self, requests: list[list[bytes]], weights: list[float], multi: bool) -> tuple[list[int], float, float]:
-        """Replay; returns (hit blocks per tier, Σ weight of hit blocks, cost model's saved µs).
+    def run(self, requests: list[list[bytes]], multi: bool) -> tuple[list[int], list[int], float]:
+        """Replay; returns (hit blocks per tier, hit prefix length per request, cost model's saved µs).
 
         Only this loop is timed. The saved µs are added up in multi-tier mode only.
         """
@@ -137,7 +143,9 @@ class Replayer:
         counts = index.counts
         pop, drop = index.policies[top].pop, index.drop
         hits = [0, 0, 0]
-        saved = saved_us = 0.0
+        hit_lengths: list[int] = []
+        record = hit_lengths.append
+        saved_us = 0.0
         for keys in requests:
             tiers = match(keys)
             if multi:
@@ -147,7 +155,7 @@ class Replayer:
                     hits[t] += 1
             else:
                 hits[top] += len(tiers)
-            saved += weights[len(tiers)]
+            record(len(tiers))
             # As the store does: the lookup pins and touches the blocks it found,
             # then the request's blocks are saved into (or promoted to) the top tier, pinned.
             entries = [get(key) for key in keys[: len(tiers)]]
@@ -179,7 +187,7 @@ class Replayer:
             unpin(entries)
             while counts[top] > cap_top and self._evict(top):  # a request larger than the tier
                 pass
-        return hits, saved, saved_us
+        return hits, hit_lengths, saved_us
 
 
 def replay(requests: list[list[bytes]], policy: str, capacities: Sequence[int], depth_weight: float = 0.5,
@@ -191,20 +199,18 @@ def replay(requests: list[list[bytes]], policy: str, capacities: Sequence[int], 
     multi = len([c for c in capacities if c > 0]) > 1
     units = CostModel.units(depth_weight, BLOCK_TOKENS)
     model = cost if cost is not None else units
-    longest = max((len(r) for r in requests), default=0)
-    prefix = [0.0]
-    for d in range(longest):
-        prefix.append(prefix[-1] + 1.0 + depth_weight * d)
-    total = sum(prefix[len(r)] for r in requests)
     accesses = sum(len(r) for r in requests)
     sim = Replayer(policy, capacities, model, half_life, **options)
-    start, cpu_start = time.perf_counter(), time.thread_time()
-    hits, saved, saved_us = sim.run(requests, prefix, multi)
-    seconds, cpu_seconds = time.perf_counter() - start, time.thread_time() - cpu_start
+    start, cpu_start = time.perf_counter(), time.process_time()
+    hits, hit_lengths, saved_us = sim.run(requests, multi)
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     names = TIER_NAMES[: len(capacities)]
+    lengths = [len(r) for r in requests]
     result = ReplayResult(
         policy=policy, capacity=int(capacities[0]), hit_rate=sum(hits) / max(accesses, 1),
-        saved_cost=saved / max(total, 1e-12), accesses=accesses, seconds=seconds, cpu_seconds=cpu_seconds,
+        saved_flops_frac=saved_flops_frac(lengths, hit_lengths),
+        saved_cost=_saved_fraction(lengths, hit_lengths, lambda d: 1.0 + depth_weight * d),
+        accesses=accesses, seconds=seconds, cpu_seconds=cpu_seconds,
         tiers={n: int(c) for n, c in zip(names, capacities)},
         evictions={n: sim.evictions[t] for t, n in enumerate(names)},
     )
@@ -213,6 +219,25 @@ def replay(requests: list[list[bytes]], policy: str, capacities: Sequence[int], 
         result.est_saved_prefill_s = saved_us / 1e6
         result.est_total_prefill_s = sum(model.recompute_block_us(d) for r in requests for d in range(len(r))) / 1e6
     return result
+
+
+def _saved_fraction(lengths: Sequence[int], hit_lengths: Sequence[int], block_cost) -> float:
+    """Σ cost of the hit blocks / Σ cost of all blocks, a block at depth d costing ``block_cost(d)``."""
+    prefix = [0.0]
+    for d in range(max(lengths, default=0)):
+        prefix.append(prefix[-1] + block_cost(d))
+    total = sum(prefix[n] for n in lengths)
+    return sum(prefix[h] for h in hit_lengths) / total if total > 0 else 0.0
+
+
+def saved_flops_frac(lengths: Sequence[int], hit_lengths: Sequence[int]) -> dict[str, float]:
+    """Per reference model: the fraction of all prefill FLOPs that the hits saved.
+
+    ``lengths[i]`` is request i's block count, ``hit_lengths[i]`` its hit prefix
+    (blocks); each block is ``BLOCK_TOKENS`` tokens priced by ``tierkv.flops``.
+    """
+    return {name: _saved_fraction(lengths, hit_lengths, lambda d, m=m: m.block_flops(d, BLOCK_TOKENS))
+            for name, m in REFERENCE_MODELS.items()}
 
 
 def reference_cost(depth_weight: float, recompute_us: float, gbps: Sequence[float]) -> CostModel:
@@ -268,7 +293,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--recompute-us", type=float, default=100.0, help="multi-tier: prefill µs/token at depth 0")
     p.add_argument("--gbps", default="5,1", help="multi-tier: L2,L3 load bandwidth in GB/s (reference layout)")
     p.add_argument("--json", dest="json_out", default=None, help="write results here")
-    p.add_argument("--plot", default=None, help="draw hit rate and saved cost against capacity (PNG)")
+    p.add_argument("--plot", default=None, help="draw hit rate and saved FLOPs against capacity (PNG)")
     args = p.parse_args(argv)
     if args.capacity is None and args.tiers is None:
         args.capacity = [1000, 3000, 10000, 30000]
@@ -281,17 +306,20 @@ def _print_table(results: list[ReplayResult], rate: float, cpu_rate: float) -> N
     single = [r for r in results if len([c for c in r.tiers.values() if c]) == 1]
     multi = [r for r in results if r not in single]
     if single:
-        print(f"{'policy':<12}{'capacity':>10}{'hit rate':>10}{'saved cost':>12}{'vs lru':>8}")
-        lru = {r.capacity: r.saved_cost for r in single if r.policy == "lru"}
+        print(f"{'policy':<12}{'capacity':>10}{'hit rate':>10}{'FLOPs 8B':>10}{'FLOPs 70B':>10}"
+              f"{'vs lru':>8}{'saved cost':>12}")
+        lru = {r.capacity: r.saved_flops_frac[GRADE] for r in single if r.policy == "lru"}
         for r in single:
-            ratio = f"{r.saved_cost / lru[r.capacity]:.2f}x" if lru.get(r.capacity) else "-"
-            print(f"{r.policy:<12}{r.capacity:>10}{r.hit_rate:>10.1%}{r.saved_cost:>12.1%}{ratio:>8}")
+            f8 = r.saved_flops_frac[GRADE]
+            ratio = f"{f8 / lru[r.capacity]:.2f}x" if lru.get(r.capacity) else "-"
+            print(f"{r.policy:<12}{r.capacity:>10}{r.hit_rate:>10.1%}{f8:>10.1%}"
+                  f"{r.saved_flops_frac['llama-3.1-70b']:>10.1%}{ratio:>8}{r.saved_cost:>12.1%}")
     for r in multi:
         tiers = ",".join(f"{k}={v}" for k, v in r.tiers.items())
         per = " ".join(f"{k}={v}" for k, v in r.hits_per_tier.items())
         print(f"{r.policy:<12} [{tiers}] hit {r.hit_rate:.1%} saved cost {r.saved_cost:.1%} hits {per} "
               f"est. prefill saved {r.est_saved_prefill_s:.1f} s of {r.est_total_prefill_s:.1f} s")
-    print(f"accesses/s: {rate:,.0f} wall ({cpu_rate:,.0f} per CPU second of the replay thread)")
+    print(f"accesses/s: {rate:,.0f} wall ({cpu_rate:,.0f} per CPU second of the process)")
 
 
 def plot(results: list[ReplayResult], path: str, title: str) -> None:
@@ -305,8 +333,8 @@ def plot(results: list[ReplayResult], path: str, title: str) -> None:
         rows = sorted((r for r in results if r.policy == policy), key=lambda r: r.capacity)
         caps = [r.capacity for r in rows]
         axes[0].plot(caps, [100 * r.hit_rate for r in rows], marker="o", label=policy)
-        axes[1].plot(caps, [100 * r.saved_cost for r in rows], marker="o", label=policy)
-    for ax, name in zip(axes, ("hit rate (%)", "saved prefill cost (%)")):
+        axes[1].plot(caps, [100 * r.saved_flops_frac[GRADE] for r in rows], marker="o", label=policy)
+    for ax, name in zip(axes, ("hit rate (%)", f"saved prefill FLOPs, {GRADE} (%)")):
         ax.set_xscale("log")
         ax.set_xlabel("capacity (blocks of 512 tokens)")
         ax.set_ylabel(name)
