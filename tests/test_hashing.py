@@ -1,4 +1,4 @@
-"""Chained 128-bit block hashes exactly as DESIGN §3, recomputed by hand."""
+"""Chained 128-bit block hashes exactly as docs/design.md §3, recomputed by hand."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def hasher(algorithm: str) -> BlockHasher:
 
 
 def reference_digest(algorithm: str, data: bytes) -> bytes:
-    """H of DESIGN §3, written from the spec with the libraries themselves."""
+    """H of docs/design.md §3, written from the spec with the libraries themselves."""
     if algorithm == "xxh3_128":
         return xxhash.xxh3_128(data).digest()
     if algorithm == "sha256":

@@ -283,7 +283,7 @@ def test_configuration_errors_still_fail_at_start_and_move_nothing(make_store, l
     assert a_file.read_bytes() == b"user data"
     write_l3(make_store)
     before = sha(l3_dir / "index" / "data.mdb")
-    # Another layout's directory is a configuration error, not damage (DESIGN §2: a block is
+    # Another layout's directory is a configuration error, not damage (docs/design.md §2: a block is
     # never read under another layout; a different model shares it safely, its keys differ).
     with pytest.raises(ValueError, match=r"^l3\.path: .* holds blocks of layout"):
         make_store(l1=4, l2=0, l3=L3_BLOCKS, layout=ODD_LAYOUT)

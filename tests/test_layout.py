@@ -1,4 +1,4 @@
-"""KVLayout: the canonical block shape, its size, fingerprint and validation (DESIGN §2)."""
+"""KVLayout: the canonical block shape, its size, fingerprint and validation (docs/design.md §2)."""
 
 from __future__ import annotations
 

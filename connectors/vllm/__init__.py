@@ -1,4 +1,4 @@
-"""tierkv as a vLLM v1 KV connector (DESIGN section 11).
+"""tierkv as a vLLM v1 KV connector (docs/design.md §13).
 
 Use it with::
 

@@ -1,4 +1,4 @@
-"""TierKVConnector: vLLM's KVConnectorBase_V1 over a TierKVStore (DESIGN §11).
+"""TierKVConnector: vLLM's KVConnectorBase_V1 over a TierKVStore (docs/design.md §13).
 
 A thin facade: vLLM builds one instance per role, and each forwards to its
 half — ``ConnectorScheduler`` (decides, scheduler process) or

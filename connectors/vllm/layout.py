@@ -1,4 +1,4 @@
-"""vLLM 0.32.0's KV cache, seen as tierkv's canonical layout (DESIGN §2, §11).
+"""vLLM 0.32.0's KV cache, seen as tierkv's canonical layout (docs/design.md §2, §13).
 
 vLLM 0.32.0 gives every attention layer a 4-D view ``[num_blocks, Hkv, B, 2*D]``
 (logical [B, H, N, C], RFC #42082) into one allocation shared by all layers of

@@ -1,7 +1,7 @@
 """What the scheduler-side connector tells the workers each step, and what they answer.
 
 Plain data (bytes, ints, lists), so it crosses process boundaries as vLLM
-pickles it. Keys are tierkv's chained block hashes (DESIGN §3), always the
+pickles it. Keys are tierkv's chained block hashes (docs/design.md §3), always the
 whole chain from block 0 so a worker can look blocks up and name parents.
 """
 

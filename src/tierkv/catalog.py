@@ -1,4 +1,4 @@
-"""What the tools know about an L3 directory beyond its slot index (DESIGN §12).
+"""What the tools know about an L3 directory beyond its slot index (docs/design.md §14).
 
 An L3 record holds a block's key, parent, depth, checksum and creation time,
 but not the namespace its chain was hashed under (a key cannot be inverted)

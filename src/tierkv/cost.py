@@ -1,4 +1,4 @@
-"""Per-tier load cost and depth-growing recompute cost, in µs per token (DESIGN §6). Pure Python.
+"""Per-tier load cost and depth-growing recompute cost, in µs per token (docs/design.md §8). Pure Python.
 
 Recomputing a block costs more the deeper it sits, because each of its tokens
 attends to every token before it. The model is linear in context length::

@@ -1,4 +1,4 @@
-"""Chained 128-bit block hashes (DESIGN §3).
+"""Chained 128-bit block hashes (docs/design.md §3).
 
 ``h_0 = H(seed | bytes(t_0))``, ``h_i = H(h_{i-1} | bytes(t_i))`` where
 ``bytes(t)`` are little-endian int32 token ids and the seed binds the model id,

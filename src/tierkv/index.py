@@ -1,4 +1,4 @@
-"""The prefix index: block hash -> Entry (DESIGN §4). Pure Python; decides nothing.
+"""The prefix index: block hash -> Entry (docs/design.md §4). Pure Python; decides nothing.
 
 An entry knows its parent, its depth, which local tiers hold it, its L1 slot,
 how many running requests pin it, when it was last used, a decayed use count

@@ -1,4 +1,4 @@
-"""The canonical KV block layout shared by every tier (DESIGN §2).
+"""The canonical KV block layout shared by every tier (docs/design.md §2).
 
 A block holds the KV of ``block_size`` consecutive tokens for all layers::
 

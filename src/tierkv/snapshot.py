@@ -1,4 +1,4 @@
-"""Portable snapshots of an L3 directory: ship a warmed cache to another node (DESIGN §12).
+"""Portable snapshots of an L3 directory: ship a warmed cache to another node (docs/design.md §14).
 
 A snapshot is a plain tar file with three members:
 

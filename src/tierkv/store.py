@@ -1,4 +1,4 @@
-"""TierKVStore: the facade that wires index, policy, cost model, tiers and transfers (DESIGN §8).
+"""TierKVStore: the facade that wires index, policy, cost model, tiers and transfers (docs/design.md §6).
 
 Ownership in one paragraph: the store owns the index and every tier. L1 slots
 are handed to the engine by ``allocate``; a slot the engine holds is *private*
@@ -167,7 +167,7 @@ class TierKVStore(StoreWrites):
 
     def hash(self, token_ids: Sequence[int], namespace: str | None = None,
              extra_keys: Sequence[str] = ()) -> list[BlockHash]:
-        """Chained hashes of the full blocks of ``token_ids`` (DESIGN §3). Pure; thread-safe."""
+        """Chained hashes of the full blocks of ``token_ids`` (docs/design.md §3). Pure; thread-safe."""
         return self.hasher.hash_blocks(token_ids, self.block_size, self.seed(namespace, extra_keys))
 
     # -- lookup ---------------------------------------------------------------

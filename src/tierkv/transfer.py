@@ -1,4 +1,4 @@
-"""Moves bytes between tiers and signals completion; owns no cache state (DESIGN §7).
+"""Moves bytes between tiers and signals completion; owns no cache state (docs/design.md §9).
 
 On CUDA: one stream for host->device and one for device->host, an event per
 batch; a load's ``ready`` is set once its event has completed, so the engine

@@ -1,4 +1,4 @@
-"""The `tierkv` command (DESIGN §12): run, info, ls, warm, verify, evict, export, import, bench, serve.
+"""The `tierkv` command (docs/design.md §14): run, info, ls, warm, verify, evict, export, import, bench, serve.
 
 ``main`` is the console-script entry point. It maps outcomes to exit codes
 (0 success, 1 failure, 2 bad usage) and prints failures on one line; pass

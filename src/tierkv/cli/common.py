@@ -1,6 +1,6 @@
 """What every `tierkv` command shares: the typer app, common options, config and errors.
 
-Conventions (DESIGN §12): exit 0 on success, 1 on failure, 2 on bad usage;
+Conventions (docs/design.md §14): exit 0 on success, 1 on failure, 2 on bad usage;
 errors are one line without a traceback unless ``--debug``; ``--json`` prints
 the figures as JSON on stdout instead of tables.
 """
@@ -38,7 +38,7 @@ CacheDir = Annotated[Path | None, typer.Option(
     "--cache-dir", envvar="TIERKV_CACHE_DIR", show_envvar=True,
     help=f"Cache directory: L3 lives in CACHE_DIR/l3, demo models in CACHE_DIR/models [default: {DEFAULT_CACHE_DIR}].")]
 ConfigFile = Annotated[Path | None, typer.Option(
-    "--config", "-c", envvar="TIERKV_CONFIG", help="A TOML store config (see DESIGN.md); TIERKV_* env overrides it.")]
+    "--config", "-c", envvar="TIERKV_CONFIG", help="A TOML store config (see docs/design.md); TIERKV_* env overrides it.")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks and debug logs.")]
 Json = Annotated[bool, typer.Option("--json", help="Print the figures as JSON instead of tables.")]
 

@@ -1,4 +1,4 @@
-"""Attention and KV-write kernels over the canonical L1 pool (DESIGN §10).
+"""Attention and KV-write kernels over the canonical L1 pool (docs/design.md §11).
 
 Dispatch: the Triton kernels for CUDA tensors, the torch references in
 ``reference.py`` for everything else. ``TIERKV_KERNELS=triton|reference``

@@ -4,7 +4,7 @@ The engine's cache is described by one strided view ``kv`` of logical shape
 [L, num_blocks, 2, B, Hkv, D] (vLLM keeps one tensor per layer, all layers in
 one allocation, so the layer, block, K/V, token and head strides say
 everything about its layout). A canonical block is [L, 2, B, Hkv, D]
-contiguous (DESIGN §2). ``gather_blocks`` copies ``kv[:, block_ids[i]]`` into
+contiguous (docs/design.md §2). ``gather_blocks`` copies ``kv[:, block_ids[i]]`` into
 ``blocks[i]``; ``scatter_blocks`` is the reverse. References:
 ``reference.gather_blocks_ref`` / ``reference.scatter_blocks_ref``.
 

@@ -1,4 +1,4 @@
-"""Triton varlen paged attention over the canonical L1 pool (DESIGN §2, §10).
+"""Triton varlen paged attention over the canonical L1 pool (docs/design.md §2, §11).
 
 One kernel serves prefill (new tokens over cached prefix blocks plus
 themselves, causal) and decode (one new token). It reads ``pool[:, layer, 0]``

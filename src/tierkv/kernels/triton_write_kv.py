@@ -2,7 +2,7 @@
 
 Token t goes to ``pool[slot // B, layer, 0|1, slot % B]`` for
 ``slot = slot_mapping[t]``; a negative slot is padding and is skipped. The
-pool is addressed through its strides (DESIGN §2), k and v through theirs.
+pool is addressed through its strides (docs/design.md §2), k and v through theirs.
 Reference: ``reference.write_kv_ref``.
 
 Tuned constants (starting points, not yet measured on a GPU in this repository):

@@ -1,4 +1,4 @@
-"""Evicts the leaf with the lowest expected prefill time saved per byte (DESIGN §6). The default.
+"""Evicts the leaf with the lowest expected prefill time saved per byte (docs/design.md §8). The default.
 
 A listed block's *worth* is ``reuse × benefit / bytes``:
 

@@ -1,4 +1,4 @@
-"""The narrow protocol every key-addressed tier implements (DESIGN §5).
+"""The narrow protocol every key-addressed tier implements (docs/design.md §5).
 
 Each method is batched and synchronous; ``transfer.py`` runs them on copy or IO
 threads to make them asynchronous. A tier moves bytes and decides nothing:

@@ -1,4 +1,4 @@
-"""L1: the engine's block pool (DESIGN §5).
+"""L1: the engine's block pool (docs/design.md §5).
 
 One tensor ``pool[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``
 on the device (a CPU tensor where there is no CUDA; there each slot may keep

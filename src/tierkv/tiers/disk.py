@@ -1,4 +1,4 @@
-"""L3: local disk — one preallocated slot file plus an LMDB index (DESIGN §5).
+"""L3: local disk — one preallocated slot file plus an LMDB index (docs/design.md §5).
 
 All blocks have one size, so slot k sits at offset k x stride (stride = block
 bytes rounded up to 4 KiB): no fragmentation. Data moves with O_DIRECT through

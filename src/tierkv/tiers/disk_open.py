@@ -1,4 +1,4 @@
-"""Opening an L3 directory safely: take turns, check before mapping, move damage aside (DESIGN §5).
+"""Opening an L3 directory safely: take turns, check before mapping, move damage aside (docs/design.md §5).
 
 LMDB maps the index and trusts it: a truncated file kills the reader with SIGBUS, a
 garbled page can abort() it on a failed assertion. So before a process maps an index,

@@ -1,4 +1,4 @@
-"""L2: host DRAM, one slab of fixed-size slots (DESIGN §5).
+"""L2: host DRAM, one slab of fixed-size slots (docs/design.md §5).
 
 The slab is page-aligned anonymous memory, or a file in /dev/shm when
 ``shared_name`` is set so processes on one node share it (their key -> slot map

@@ -1,4 +1,4 @@
-"""L4 remote pool backends, chosen by URL scheme (DESIGN §5).
+"""L4 remote pool backends, chosen by URL scheme (docs/design.md §10).
 
 ``mooncake://`` is Mooncake Store (RDMA where a device is found, TCP
 otherwise); ``redis://``, ``rediss://``, ``valkey://`` and

@@ -1,4 +1,4 @@
-"""L4 remote tier: the circuit breaker, the call deadline and the BlockTier shell (DESIGN §5, §13).
+"""L4 remote tier: the circuit breaker, the call deadline and the BlockTier shell (docs/design.md §10, §15).
 
 The value format (block + 64-byte trailer, checksum, optional MAC) lives in
 ``codec.py``. ``RemoteTier`` turns a small backend (``exists``/``read_into``/

@@ -1,7 +1,7 @@
-"""The L4 value format: a block followed by a 64-byte trailer, built and checked (DESIGN §5, §13).
+"""The L4 value format: a block followed by a 64-byte trailer, built and checked (docs/design.md §10, §15).
 
 Every value stored in a remote pool is ``payload || trailer`` where the
-64-byte trailer (DESIGN's "header", stored last so the block starts at the
+64-byte trailer (a header stored last, so the block starts at the
 value's first byte and moves to and from the caller's memory in one piece) is::
 
     magic "TKV4" | version u16 | flags u16 | layout fingerprint 8B | key 16B
