@@ -109,6 +109,8 @@ class PrefixIndex:
         self._removal_listeners: tuple[Callable[[bytes], None], ...] = ()
         self._listeners_lock = threading.Lock()
         self.listener_errors = 0
+        # Optional tierkv.events.TierEvents: told of every (key, tier) this index adds or drops.
+        self.events = None
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -163,6 +165,8 @@ class PrefixIndex:
         entry.mask |= bit
         entry.best = _BEST[entry.mask]
         self.counts[tier] += 1
+        if self.events is not None:
+            self.events.stored(key, tier)
         if parent is not None:
             parent_entry = self._entries.get(parent) or self._uncached_parents.get(parent)
             if parent_entry is None:
@@ -188,6 +192,8 @@ class PrefixIndex:
         if tier == _L1:
             entry.l1_slot = None
         self.counts[tier] -= 1
+        if self.events is not None:
+            self.events.removed(key, tier)
         if entry.parent is not None:
             parent_entry = self._entries.get(entry.parent) or self._uncached_parents.get(entry.parent)
             if parent_entry is not None:

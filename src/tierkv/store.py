@@ -22,6 +22,7 @@ import torch
 
 from tierkv.config import StoreConfig
 from tierkv.cost import CostModel, calibrate
+from tierkv.events import TierEvents, TierListener
 from tierkv.hashing import BlockHash, BlockHasher
 from tierkv.index import LOCAL_TIERS, Entry, PrefixIndex, Tier
 from tierkv.layout import KVLayout
@@ -119,6 +120,7 @@ class TierKVStore(StoreWrites):
         policies = [make_policy(cfg.policy.name, t, lower=self._lower(t), **context)
                     if self._tiers[t] is not None else None for t in LOCAL_TIERS]
         self.index = PrefixIndex(policies, cfg.policy.half_life)
+        self.events = self.index.events = TierEvents()
         self._persisting: set[bytes] = set()
         self.transfer = TransferEngine(device)
         self._scratch = torch.empty(layout.block_shape, dtype=layout.torch_dtype)
@@ -495,6 +497,25 @@ class TierKVStore(StoreWrites):
         with self._lock:
             self.index.unpin(entries)
 
+    # -- tier events ----------------------------------------------------------
+
+    def add_tier_listener(self, listener: TierListener) -> None:
+        """Call ``listener(stored, removed)`` with each batch of tier changes from now on.
+
+        ``stored`` / ``removed`` are lists of ``(block key, Tier)``: a block that
+        arrived in / left that tier (L1, L2, L3; L4 arrivals when a put lands —
+        the pool's own evictions are not seen). A demotion is a removal from one
+        tier and an arrival in the next. Batches are net changes, delivered in
+        order on the ``tierkv-events`` thread with no store lock held, so the
+        listener may call the store; it never delays a lookup or a save. Its
+        exceptions are counted and logged once. Thread-safe.
+        """
+        self.events.add_listener(listener)
+
+    def remove_tier_listener(self, listener: TierListener) -> None:
+        """Stop calling ``listener`` (unknown ones are ignored). Thread-safe."""
+        self.events.remove_listener(listener)
+
     # -- reporting ------------------------------------------------------------
 
     def stats(self) -> dict:
@@ -518,6 +539,7 @@ class TierKVStore(StoreWrites):
     def close(self) -> None:
         """Finish pending transfers (queued L4 puts included) and close files. The store is unusable afterwards."""
         self.transfer.close()
+        self.events.close()
         if self.l4 is not None:
             self.l4.close()
         if self.l3 is not None:

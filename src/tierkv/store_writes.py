@@ -79,8 +79,10 @@ class StoreWrites:
                 self._persisting.difference_update(e.key for e in entries)
 
     def flush(self) -> None:
-        """Block until every write-through copy queued so far has landed. Thread-safe."""
+        """Block until every write-through copy queued so far has landed and its tier events
+        have reached the listeners. Thread-safe."""
         self.transfer.io(lambda: None).result()
+        self.events.flush()
 
     def persist(self, keys: Sequence[BlockHash], tier: int = Tier.L3) -> int:
         """Copy the cached blocks of the chain ``keys`` into ``tier`` (L2, L3 or L4) where it lacks them.
@@ -161,6 +163,9 @@ class StoreWrites:
                     self._l4_outbox.free(slots)
                     self._l4_queued -= len(batch)
             self.metrics.add("bytes", ("l4", "write"), sum(ok) * self.layout.block_bytes)
+            for key, flag in zip(keys, ok):
+                if flag:
+                    self.events.stored(key, Tier.L4)
 
     def _sources_for_l4(self, entries: Sequence[Entry]) -> list[tuple[BlockHash, torch.Tensor, Lineage]]:
         """Caller holds the lock: what a write-through L4 put sends for each of ``entries`` (pinned
@@ -188,6 +193,9 @@ class StoreWrites:
         """IO thread, outside the lock: one batched L4 put; failures are counted by the tier."""
         ok = self.l4.put(list(keys), list(blocks), list(lineage))
         self.metrics.add("bytes", ("l4", "write"), sum(ok) * self.layout.block_bytes)
+        for key, flag in zip(keys, ok):
+            if flag:
+                self.events.stored(key, Tier.L4)
 
 
 def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:

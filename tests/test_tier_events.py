@@ -1,0 +1,117 @@
+"""Tier events: the store reports every block arriving in or leaving a tier, batched, off its lock."""
+
+from __future__ import annotations
+
+import threading
+
+from _kv import prompt, save_prompt
+from tierkv.events import TierEvents
+from tierkv.index import Tier
+
+L1, L2, L3 = Tier.L1, Tier.L2, Tier.L3
+
+
+class Recorder:
+    """A listener that keeps every batch it was given and the store state it could see."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[list, list]] = []
+        self.lock = threading.Lock()
+
+    def __call__(self, stored, removed) -> None:
+        with self.lock:
+            self.batches.append((list(stored), list(removed)))
+
+    def net(self) -> set[tuple[bytes, int]]:
+        """What the listener believes each tier holds, applying removed before stored per batch."""
+        held: set[tuple[bytes, int]] = set()
+        for stored, removed in self.batches:
+            assert not set(stored) & set(removed)
+            held -= set(removed)
+            held |= set(stored)
+        return held
+
+
+def held_by_index(store) -> set[tuple[bytes, int]]:
+    return {(e.key, t) for e in store.index.entries() for t in (L1, L2, L3) if e.in_tier(t)}
+
+
+def test_listeners_see_saves_demotions_and_persists_as_the_index_does(make_store, layout):
+    store = make_store(l1=4, l2=4, l3=16)
+    rec = Recorder()
+    store.add_tier_listener(rec)
+    a = save_prompt(store, prompt(1, 4, layout))
+    store.flush()
+    assert rec.net() == {(k, L1) for k in a}
+    b = save_prompt(store, prompt(2, 4, layout))  # a: L1 -> L2
+    c = save_prompt(store, prompt(3, 4, layout))  # a: L2 -> L3, b: L1 -> L2
+    store.flush()
+    assert rec.net() == held_by_index(store)
+    assert {(k, L3) for k in a} | {(k, L2) for k in b} | {(k, L1) for k in c} == rec.net()
+    removed = [item for _, gone in rec.batches for item in gone]
+    assert {(k, L1) for k in a} <= set(removed) and {(k, L2) for k in a} <= set(removed)
+    assert store.persist(c) == 4
+    store.flush()
+    assert {(k, L3) for k in c} <= rec.net() == held_by_index(store)
+    store.remove_tier_listener(rec)
+    n = len(rec.batches)
+    save_prompt(store, prompt(4, 4, layout))
+    store.flush()
+    assert len(rec.batches) == n
+
+
+def test_a_blocked_listener_delays_no_lookup_or_save(make_store, layout):
+    store = make_store(l1=8, l2=4, l3=0)
+    gate, entered = threading.Event(), threading.Event()
+
+    def slow(stored, removed):
+        entered.set()
+        gate.wait(30)
+
+    store.add_tier_listener(slow)
+    save_prompt(store, prompt(5, 4, layout))
+    assert entered.wait(10)          # the listener is stuck inside a batch
+    keys = save_prompt(store, prompt(6, 4, layout))
+    m = store.lookup_keys(keys)
+    assert m.tiers == [L1] * 4
+    store.release(m)
+    gate.set()
+    assert store.events.flush(10)
+
+
+def test_a_listener_may_call_the_store_and_its_errors_are_counted(make_store, layout):
+    store = make_store(l1=4, l2=4, l3=0)
+    seen = []
+
+    def calls_back(stored, removed):
+        seen.append(store.stats()["index_entries"])
+        raise RuntimeError("listener bug")
+
+    store.add_tier_listener(calls_back)
+    save_prompt(store, prompt(7, 4, layout))
+    store.flush()
+    save_prompt(store, prompt(8, 4, layout))
+    store.flush()
+    assert seen and store.events.errors == len(seen)
+
+
+def test_a_batch_is_the_net_change():
+    events = TierEvents()
+    got = []
+    gate = threading.Event()
+    events.add_listener(lambda s, r: (gate.wait(10), got.append((s, r))))
+    events.stored(b"x", L1)          # the first batch: delivery blocks on the gate
+    while not events._delivering:
+        threading.Event().wait(0.01)
+    events.stored(b"a", L1)
+    events.removed(b"a", L1)         # stored then removed: nothing
+    events.removed(b"b", L2)
+    events.stored(b"b", L2)          # removed then stored: nothing
+    events.removed(b"c", L1)
+    events.stored(b"c", L2)          # a demotion: both
+    events.stored(b"d", Tier.L4)
+    events.stored(b"d", Tier.L4)     # the same arrival twice: once
+    gate.set()
+    assert events.flush(10)
+    events.close()
+    assert got == [([(b"x", L1)], []), ([(b"c", L2), (b"d", Tier.L4)], [(b"c", L1)])]
