@@ -76,6 +76,26 @@ def test_multi_tier_demotes_victims_and_counts_hits_per_tier(tmp_path):
     assert 0 < timed.est_saved_prefill_s < timed.est_total_prefill_s
 
 
+def test_the_oracle_keeps_the_block_used_soonest(tmp_path):
+    # Capacity 2: at r3 LRU drops 1 (oldest) and then misses 1 and 2; the oracle drops
+    # 2 (next used later than 1), hits 1 at r4, then drops 3 (never used again).
+    requests = replay_tool.load_trace(write_trace(tmp_path / "t.jsonl", [[1], [2], [3], [1], [2]]))
+    lru = replay_tool.replay(requests, "lru", [2])
+    oracle = replay_tool.replay(requests, "belady", [2])
+    assert (lru.hit_rate, oracle.hit_rate) == (0.0, 0.2)
+    results = [lru, oracle, replay_tool.replay(requests, "lfu", [2])]
+    replay_tool.add_headroom(results)
+    assert [r.headroom for r in results] == [0.0, 1.0, 0.0]
+
+
+def test_the_oracle_evicts_leaves_only(tmp_path):
+    # Capacity 3: r2 needs room; 3 is never used again: dropped, and 1, 2 hit at r3 and r4.
+    # At r5 the oracle keeps 4 (used at r6) and, leaves only, can drop 2 but not 1.
+    requests = replay_tool.load_trace(write_trace(tmp_path / "t.jsonl", [[1, 2, 3], [4], [1, 2], [1], [5], [4]]))
+    r = replay_tool.replay(requests, "belady", [3])
+    assert r.hit_rate == 4 / 9 and r.evictions == {"l1": 2}
+
+
 def test_equal_ids_under_different_prefixes_are_different_blocks(tmp_path):
     # Ids that name block contents only: "2" after "3" is not the "2" after "1".
     requests = replay_tool.load_trace(write_trace(tmp_path / "t.jsonl", [[1, 2], [3, 2], [1, 2]]))
@@ -92,20 +112,27 @@ def test_bad_trace_line_names_file_and_line(tmp_path):
 
 
 def test_command_line_writes_json_table_and_plot(tmp_path):
-    trace = write_trace(tmp_path / "t.jsonl", TINY * 5)
+    trace = write_trace(tmp_path / "t.jsonl", (TINY + [[6], [7], [8], [6], [7]]) * 5)
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools" / "replay.py"), str(trace), "--capacity", "2,3",
-         "--policy", "lru,cost_aware", "--tiers", "l1=2,l2=4", "--json", str(out), "--plot", str(png)],
+         "--policy", "lru,cost_aware,belady", "--tiers", "l1=2,l2=4", "--json", str(out), "--plot", str(png)],
         capture_output=True, text=True, timeout=120, check=True)
     data = json.loads(out.read_text())
     assert data["accesses_per_s"] > 0
     single = [(r["policy"], r["capacity"]) for r in data["results"] if len(r["tiers"]) == 1]
-    assert single == [("lru", 2), ("lru", 3), ("cost_aware", 2), ("cost_aware", 3)]
+    assert single == [("lru", 2), ("lru", 3), ("cost_aware", 2), ("cost_aware", 3), ("belady", 2), ("belady", 3)]
+    rows = {(r["policy"], r["capacity"]): r for r in data["results"] if len(r["tiers"]) == 1}
+    for (policy, cap), r in rows.items():
+        low, high = rows["lru", cap]["hit_rate"], rows["belady", cap]["hit_rate"]
+        if cap == 2:  # the oracle beats LRU here (at 3 they tie: no gap to take, no headroom)
+            assert high > low and r["headroom"] == pytest.approx((r["hit_rate"] - low) / (high - low))
+        else:
+            assert high == low and r["headroom"] is None
     assert all({"hit_rate", "saved_cost", "saved_flops_frac"} <= set(r) for r in data["results"])
     assert all(set(r["saved_flops_frac"]) >= {"llama-3.1-8b", "llama-3.1-70b"} for r in data["results"])
     multi = [r for r in data["results"] if len(r["tiers"]) > 1]
-    assert [r["policy"] for r in multi] == ["lru", "cost_aware"] and multi[0]["hits_per_tier"]
+    assert [r["policy"] for r in multi] == ["lru", "cost_aware", "belady"] and multi[0]["hits_per_tier"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "cost_aware" in proc.stdout and "accesses/s" in proc.stdout
 

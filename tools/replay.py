@@ -43,10 +43,13 @@ from tierkv.cost import CostModel  # noqa: E402
 from tierkv.flops import REFERENCE_MODELS  # noqa: E402
 from tierkv.index import LOCAL_TIERS, PrefixIndex  # noqa: E402
 from tierkv.policy import POLICIES, make_policy  # noqa: E402
+from tierkv.policy.base import HeapPolicy  # noqa: E402
 
 BLOCK_TOKENS = 512
 TIER_NAMES = ("l1", "l2", "l3")
 GRADE = "llama-3.1-8b"  # the reference model the table's ratios use
+ORACLE = "belady"
+NEVER = float("inf")
 # Reference model for the multi-tier time estimate: a Llama-3-8B-like fp16
 # layout (32 layers x 8 KV heads x 128 dims x K,V x 2 bytes = 128 KiB per token).
 REF_BYTES_PER_TOKEN = 32 * 8 * 128 * 2 * 2
@@ -62,6 +65,7 @@ class ReplayResult:
     accesses: int
     seconds: float
     cpu_seconds: float
+    headroom: float | None = None
     tiers: dict[str, int] = field(default_factory=dict)
     hits_per_tier: dict[str, int] = field(default_factory=dict)
     est_saved_prefill_s: float | None = None
@@ -98,6 +102,38 @@ def load_trace(path: str | Path) -> list[list[bytes]]:
     return requests
 
 
+class BeladyPolicy(HeapPolicy):
+    """Offline oracle: evicts the evictable leaf whose next use lies furthest in the future.
+
+    Replay-only (it reads the future): ``next_use`` maps a block key to the index
+    of the next request that uses it, and the replay updates it as each request
+    runs, before any of that request's blocks is listed again. Leaf-only like
+    every policy here (a block's next use is never later than its children's,
+    so the cache stays prefix-closed at no loss to the rule).
+    """
+
+    name = ORACLE
+
+    def __init__(self, tier: int, next_use: dict[bytes, float], **_context) -> None:
+        super().__init__(tier)
+        self.next_use = next_use
+
+    def priority(self, entry):
+        return -self.next_use.get(entry.key, NEVER)
+
+
+def next_uses(requests: list[list[bytes]]) -> list[list[float]]:
+    """For each request and block: the index of the next request using that block (inf: none)."""
+    seen: dict[bytes, float] = {}
+    out: list[list[float]] = [[] for _ in requests]
+    for i in range(len(requests) - 1, -1, -1):
+        keys = requests[i]
+        out[i] = [seen.get(key, NEVER) for key in keys]
+        for key in keys:
+            seen[key] = i
+    return out
+
+
 class Replayer:
     """The store's eviction decisions over accounting-only tiers (capacities in blocks)."""
 
@@ -106,8 +142,13 @@ class Replayer:
         self.capacities = list(capacities) + [0] * (len(LOCAL_TIERS) - len(capacities))
         present = [t for t in LOCAL_TIERS if self.capacities[t] > 0]
         self.lower = {t: next((u for u in present if u > t), None) for t in present}
-        policies = [make_policy(policy, t, cost=cost, lower=self.lower[t], half_life=half_life, **options)
-                    if t in self.lower else None for t in LOCAL_TIERS]
+        self.future: dict[bytes, float] | None = None
+        if policy == ORACLE:
+            self.future = {}
+            policies = [BeladyPolicy(t, self.future) if t in self.lower else None for t in LOCAL_TIERS]
+        else:
+            policies = [make_policy(policy, t, cost=cost, lower=self.lower[t], half_life=half_life, **options)
+                        if t in self.lower else None for t in LOCAL_TIERS]
         self.index = PrefixIndex(policies, half_life)
         self.cost = cost
         self.evictions = [0, 0, 0]
@@ -135,6 +176,8 @@ class Replayer:
 
         Only this loop is timed. The saved µs are added up in multi-tier mode only.
         """
+        if self.future is not None:
+            return self._run_oracle(requests, multi)
         index, cost = self.index, self.cost
         match, get, add = index.match, index._entries.get, index.add
         pin, unpin, touch = index.pin, index.unpin, index.touch
@@ -189,6 +232,45 @@ class Replayer:
                 pass
         return hits, hit_lengths, saved_us
 
+    def _run_oracle(self, requests: list[list[bytes]], multi: bool) -> tuple[list[int], list[int], float]:
+        """``run`` with the oracle: the same steps, each block's next use set as its request starts."""
+        future, index, cost = self.future, self.index, self.cost
+        get, top, cap = index._entries.get, LOCAL_TIERS[0], self.capacities[0]
+        hits = [0, 0, 0]
+        hit_lengths: list[int] = []
+        saved_us = 0.0
+        for keys, later in zip(requests, next_uses(requests)):
+            future.update(zip(keys, later))
+            tiers = index.match(keys)
+            if multi:
+                tiers = tiers[: cost.cut(tiers)]
+                saved_us += cost.saved_us(tiers)
+            for t in tiers:
+                hits[t] += 1
+            hit_lengths.append(len(tiers))
+            entries = [get(key) for key in keys[: len(tiers)]]
+            index.pin(entries)
+            index.touch(entries)
+            parent = None
+            for depth, key in enumerate(keys):
+                entry = get(key)
+                if entry is None or not entry.mask & 1:
+                    unpinned = entry is None or entry.ref_count == 0
+                    entry = index.add(key, parent, depth, top, pin=unpinned)
+                    if unpinned:
+                        entries.append(entry)
+                elif entry.ref_count == 0:  # cached past the cut and still listed: re-rank it
+                    for t, policy in enumerate(index.policies):
+                        if entry.handles[t] is not None:
+                            policy.touch(entry)
+                parent = key
+            while index.counts[top] > cap and self._evict(top):
+                pass
+            index.unpin(entries)
+            while index.counts[top] > cap and self._evict(top):
+                pass
+        return hits, hit_lengths, saved_us
+
 
 def replay(requests: list[list[bytes]], policy: str, capacities: Sequence[int], depth_weight: float = 0.5,
            half_life: float = 2000.0, cost: CostModel | None = None, **options) -> ReplayResult:
@@ -240,6 +322,20 @@ def saved_flops_frac(lengths: Sequence[int], hit_lengths: Sequence[int]) -> dict
             for name, m in REFERENCE_MODELS.items()}
 
 
+def add_headroom(results: list[ReplayResult]) -> None:
+    """Set each single-tier result's ``headroom``: its share of the LRU → oracle gap in hit rate.
+
+    0 is LRU, 1 the oracle; needs both at the same capacity in ``results`` (else None).
+    """
+    single = [r for r in results if len(r.tiers) == 1]
+    lru = {r.capacity: r.hit_rate for r in single if r.policy == "lru"}
+    oracle = {r.capacity: r.hit_rate for r in single if r.policy == ORACLE}
+    for r in single:
+        low, high = lru.get(r.capacity), oracle.get(r.capacity)
+        if low is not None and high is not None and high > low:
+            r.headroom = (r.hit_rate - low) / (high - low)
+
+
 def reference_cost(depth_weight: float, recompute_us: float, gbps: Sequence[float]) -> CostModel:
     """µs costs for the multi-tier estimate: the reference layout's bytes over tier bandwidths."""
     load = (0.0, *(REF_BYTES_PER_TOKEN / (g * 1e3) for g in gbps), 0.0)
@@ -274,9 +370,10 @@ def _tiers(text: str) -> list[int]:
 
 def _policies(text: str) -> list[str]:
     names = [p.strip() for p in text.split(",") if p.strip()]
-    bad = [p for p in names if p not in POLICIES]
+    allowed = sorted([*POLICIES, ORACLE])
+    bad = [p for p in names if p not in allowed]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"expected policies from {sorted(POLICIES)}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected policies from {allowed}, got {text!r}")
     return names
 
 
@@ -306,13 +403,14 @@ def _print_table(results: list[ReplayResult], rate: float, cpu_rate: float) -> N
     single = [r for r in results if len([c for c in r.tiers.values() if c]) == 1]
     multi = [r for r in results if r not in single]
     if single:
-        print(f"{'policy':<12}{'capacity':>10}{'hit rate':>10}{'FLOPs 8B':>10}{'FLOPs 70B':>10}"
+        print(f"{'policy':<12}{'capacity':>10}{'hit rate':>10}{'headroom':>10}{'FLOPs 8B':>10}{'FLOPs 70B':>10}"
               f"{'vs lru':>8}{'saved cost':>12}")
         lru = {r.capacity: r.saved_flops_frac[GRADE] for r in single if r.policy == "lru"}
         for r in single:
             f8 = r.saved_flops_frac[GRADE]
             ratio = f"{f8 / lru[r.capacity]:.2f}x" if lru.get(r.capacity) else "-"
-            print(f"{r.policy:<12}{r.capacity:>10}{r.hit_rate:>10.1%}{f8:>10.1%}"
+            room = "-" if r.headroom is None else f"{r.headroom:.1%}"
+            print(f"{r.policy:<12}{r.capacity:>10}{r.hit_rate:>10.1%}{room:>10}{f8:>10.1%}"
                   f"{r.saved_flops_frac['llama-3.1-70b']:>10.1%}{ratio:>8}{r.saved_cost:>12.1%}")
     for r in multi:
         tiers = ",".join(f"{k}={v}" for k, v in r.tiers.items())
@@ -359,6 +457,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = reference_cost(args.depth_weight, args.recompute_us, gbps)
         for policy in args.policy:
             results.append(replay(requests, policy, args.tiers, args.depth_weight, args.half_life, model, **options))
+    add_headroom(results)
     accesses = sum(r.accesses for r in results)
     seconds = sum(r.seconds for r in results)
     cpu_seconds = sum(r.cpu_seconds for r in results)
