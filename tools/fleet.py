@@ -33,6 +33,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tierkv.cost import CostModel  # noqa: E402
+from tierkv.flops import REFERENCE_MODELS, reference_model  # noqa: E402
 from tierkv.index import LOCAL_TIERS, PrefixIndex  # noqa: E402
 from tierkv.policy import DEFAULT_POLICY, POLICIES, make_policy  # noqa: E402
 from tierkv.route import ROUTERS, Candidate, Prompt, make_router  # noqa: E402
@@ -45,42 +46,18 @@ TIER_NAMES = ("l1", "l2", "l3")
 DEFAULT_TIERS = (480, 2048, 8192)
 # Bandwidth into HBM, GB/s: L2 pinned DRAM over PCIe 5 x16, L3 one NVMe drive, L4 a 100 Gb/s RDMA pool.
 DEFAULT_GBPS = (25.0, 6.0, 12.0)
+KV_DTYPE_BYTES = 2  # bf16
 DEFAULT_TFLOPS = 400.0  # sustained bf16 prefill of an H100-class GPU (~40 % of dense peak)
-
-
-@dataclass(frozen=True)
-class Arch:
-    """What prefill FLOPs and KV bytes of a dense transformer follow from."""
-
-    params: float
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-
-    def flops_per_token(self) -> float:
-        return 2.0 * self.params
-
-    def attention_flops_per_position(self) -> float:
-        return 4.0 * self.layers * self.heads * self.head_dim
-
-    def kv_bytes_per_token(self, dtype_bytes: int = 2) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * dtype_bytes
-
-
-ARCHS = {
-    "llama-3.1-8b": Arch(8.03e9, 32, 32, 8, 128),
-    "llama-3.1-70b": Arch(70.6e9, 80, 64, 8, 128),
-}
 
 
 def reference_cost(model: str, tflops: float, gbps: Sequence[float]) -> CostModel:
     """µs per token: loads are KV bytes over bandwidth, recompute is prefill FLOPs over throughput."""
-    arch = ARCHS[model]
-    per_token = arch.kv_bytes_per_token()
+    arch = reference_model(model)
+    per_token = 2 * arch.layers * arch.kv_heads * arch.head_dim * KV_DTYPE_BYTES  # K and V, every layer
     load = (0.0, *(per_token / (g * 1e3) for g in gbps))
-    recompute = arch.flops_per_token() / (tflops * 1e6)
-    growth = arch.attention_flops_per_position() / arch.flops_per_token()
+    depth0 = arch.token_flops(0)
+    recompute = depth0 / (tflops * 1e6)
+    growth = arch.attention_flops_per_position / depth0
     return CostModel(load, recompute, growth, BLOCK_TOKENS, per_token * BLOCK_TOKENS)
 
 
@@ -270,7 +247,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tiers", type=_tiers, default=list(DEFAULT_TIERS),
                    help="per-node capacities in blocks (default l1=480,l2=2048,l3=8192)")
     p.add_argument("--policy", choices=sorted(POLICIES), default=DEFAULT_POLICY, help="eviction policy")
-    p.add_argument("--model", choices=sorted(ARCHS), default="llama-3.1-8b", help="reference model")
+    p.add_argument("--model", choices=sorted(REFERENCE_MODELS), default="llama-3.1-8b", help="reference model")
     p.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS, help="sustained prefill TFLOP/s per node")
     p.add_argument("--gbps", type=_gbps, default=DEFAULT_GBPS, help="L2,L3,L4 bandwidth into HBM, GB/s")
     p.add_argument("--queue-weight", type=float, default=None, help="tier_weighted: k per queued request")

@@ -39,8 +39,8 @@ def write_trace(path: Path, rows: list[tuple[int, list[int]]]) -> Path:
 def test_reference_cost_is_llama_8b_physics():
     # 128 KiB of KV per token; 2 x 8.03e9 FLOPs per token at 400 TFLOP/s; attention 4·32·32·128 per position.
     assert COST.load_us[1] == pytest.approx(131072 / 25e3)
-    assert COST.recompute_us == pytest.approx(2 * 8.03e9 / 400e6)
-    assert COST.growth == pytest.approx(4 * 32 * 32 * 128 / (2 * 8.03e9))
+    assert COST.recompute_us == pytest.approx(2 * 8.03e9 / 400e6, rel=1e-3)
+    assert COST.growth == pytest.approx(4 * 32 * 32 * 128 / (2 * 8.03e9), rel=1e-3)
 
 
 def test_prefix_routers_send_a_repeat_to_the_node_that_holds_it(tmp_path):
