@@ -108,6 +108,13 @@ class HostTier:
     def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
             lineage: Sequence[Lineage] | None = None) -> list[bool]:
         """Copy blocks into free slots; False for a key when the slab is full. Existing keys are kept."""
+        if not self._shared:  # one lock section for the batch, then the copies
+            out = []
+            for (slot, fresh), src in zip(self._slots.reserve_many(keys), blocks):
+                if slot is not None and fresh:
+                    self._copy_in(slot, src)
+                out.append(slot is not None)
+            return out
         out = []
         for key, src in zip(keys, blocks):
             slot, fresh = self._slots.reserve(key)
@@ -116,14 +123,20 @@ class HostTier:
                 continue
             if fresh:
                 self._copy_in(slot, src)
-                if self._shared:
-                    if src.device.type != "cpu":  # the device->host copy above is asynchronous
-                        torch.cuda.current_stream(src.device).synchronize()
-                    self._slots.commit(key, slot, _checksum(key, self.slab[slot]))
+                if src.device.type != "cpu":  # the device->host copy above is asynchronous
+                    torch.cuda.current_stream(src.device).synchronize()
+                self._slots.commit(key, slot, _checksum(key, self.slab[slot]))
             out.append(True)
         return out
 
     def get(self, keys: Sequence[bytes], dst: Sequence[torch.Tensor]) -> list[bool]:
+        if not self._shared:
+            out = []
+            for slot, d in zip(self._slots.find_slots(keys), dst):
+                if slot is not None:
+                    self._copy_out(d, slot)
+                out.append(slot is not None)
+            return out
         out = []
         for key, d in zip(keys, dst):
             found = self._slots.find(key)
@@ -131,27 +144,24 @@ class HostTier:
                 out.append(False)
                 continue
             self._copy_out(d, found[0])
-            if self._shared:
-                if d.device.type != "cpu":
-                    torch.cuda.current_stream().synchronize()
-                    ok = _checksum(key, d.cpu()) == found[1]
-                else:
-                    ok = _checksum(key, d) == found[1]
-                if not ok:
-                    out.append(False)
-                    continue
-            out.append(True)
+            if d.device.type != "cpu":
+                torch.cuda.current_stream().synchronize()
+                ok = _checksum(key, d.cpu()) == found[1]
+            else:
+                ok = _checksum(key, d) == found[1]
+            out.append(ok)
         return out
 
     def _copy_in(self, slot: int, src: torch.Tensor) -> None:
-        # Raw addresses: indexing the slab costs more than copying a small block.
-        if src.device.type == "cpu" and src.is_contiguous() and src.nbytes == self._bb:
+        # Raw addresses: indexing the slab costs more than copying a small block (and
+        # ``is_cpu`` is a fraction of ``device.type``'s cost: this runs once per block).
+        if src.is_cpu and src.is_contiguous() and src.nbytes == self._bb:
             _memmove(self._base + slot * self._bb, src.data_ptr(), self._bb)
         else:
             copy_block(self.slab[slot], src)
 
     def _copy_out(self, dst: torch.Tensor, slot: int) -> None:
-        if dst.device.type == "cpu" and dst.is_contiguous() and dst.nbytes == self._bb:
+        if dst.is_cpu and dst.is_contiguous() and dst.nbytes == self._bb:
             _memmove(dst.data_ptr(), self._base + slot * self._bb, self._bb)
         else:
             copy_block(dst, self.slab[slot])
@@ -190,16 +200,29 @@ class _LocalSlots:
         slot = self._map.get(key)
         return None if slot is None else (slot, 0)
 
+    def find_slots(self, keys: Sequence[bytes]) -> list[int | None]:
+        get = self._map.get
+        return [get(k) for k in keys]
+
+    def reserve_many(self, keys: Sequence[bytes]) -> list[tuple[int | None, bool]]:
+        """``reserve`` for each key, in one lock section."""
+        with self._lock:
+            return [self._reserve(k) for k in keys]
+
     def reserve(self, key: bytes) -> tuple[int | None, bool]:
         with self._lock:
-            slot = self._map.get(key)
-            if slot is not None:
-                return slot, False
-            if not self._free:
-                return None, False
-            slot = self._free.pop()
-            self._map[key] = slot
-            return slot, True
+            return self._reserve(key)
+
+    def _reserve(self, key: bytes) -> tuple[int | None, bool]:
+        """Caller holds the lock."""
+        slot = self._map.get(key)
+        if slot is not None:
+            return slot, False
+        if not self._free:
+            return None, False
+        slot = self._free.pop()
+        self._map[key] = slot
+        return slot, True
 
     def commit(self, key: bytes, slot: int, checksum: int) -> None:
         pass
