@@ -28,6 +28,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import lmdb
@@ -96,6 +97,7 @@ class DiskTier:
             raise FileNotFoundError(f"l3.path: no tierkv L3 directory at {self.path}")
         open_checked(self.path, lambda: self._open(num_blocks, meta or {}, direct_io), create, self._report_damage)
         self._local = threading.local()  # per-thread page-aligned bounce buffer
+        self._chunk_blocks = max(1, min(_MAX_RUN, _READ_CHUNK // self.stride))
 
     # -- setup ----------------------------------------------------------------
 
@@ -106,8 +108,11 @@ class DiskTier:
         self._env, self._fd = None, None
         try:
             self._blocks = None
+            # metasync=False: one fsync per commit instead of two. LMDB keeps its integrity; an
+            # OS crash may undo the last commit, which only loses that batch's records (their
+            # data was synced first and is then in slots nobody points at).
             self._env = lmdb.open(str(index), map_size=max(1 << 30, num_blocks * 512),
-                                  max_dbs=4, max_readers=512, subdir=True, lock=True)
+                                  max_dbs=4, max_readers=512, subdir=True, lock=True, metasync=False)
             self._blocks = self._env.open_db(b"blocks")
             self._free = self._env.open_db(b"free")
             self._meta = self._env.open_db(b"meta")
@@ -298,14 +303,22 @@ class DiskTier:
             else:
                 direct.append((rec.slot, rec, i, view))
         direct.sort(key=lambda item: item[0])
-        for run in _runs(direct):
+        # Pipelined: the checksums of one chunk run on the verifier thread while the next
+        # chunk is read (both calls release the GIL), so a get costs about its reads alone.
+        pending: list[tuple[list, int, Future | list[int]]] = []
+        chunks = list(_runs(direct, self._chunk_blocks))
+        for run in chunks:
             try:
                 n = os.preadv(self._fd, [item[3] for item in run], run[0][0] * self.stride)
             except OSError as exc:
                 self._on_failure("l3", "io", len(run), f"{self.path}: {exc}")
                 continue
+            todo = [(item[1].key, item[3]) for item in run[: n // self.stride]]
+            pending.append((run, n, _checksums(todo) if len(chunks) == 1 else _verifier().submit(_checksums, todo)))
+        for run, n, sums in pending:
+            sums = sums if isinstance(sums, list) else sums.result()
             for j, (_, rec, i, view) in enumerate(run):
-                if n >= (j + 1) * self.stride and _checksum(rec.key, view) == rec.checksum:
+                if j < len(sums) and sums[j] == rec.checksum:
                     out[i] = True
                 else:
                     bad.append(rec)
@@ -422,7 +435,10 @@ class DiskTier:
         return None
 
     def _write_runs(self, items: list[tuple[int, torch.Tensor]], keys: list[bytes]) -> list[int]:
-        """Write blocks to their slots (one pwritev per run of consecutive aligned slots); checksums."""
+        """Write blocks to their slots (one pwritev per run of consecutive aligned slots); checksums.
+
+        The checksums of the aligned blocks are taken on the verifier thread while they are written.
+        """
         sums = [0] * len(items)
         direct = []
         for j, ((slot, src), key) in enumerate(zip(items, keys)):
@@ -435,11 +451,19 @@ class DiskTier:
                 sums[j] = _checksum(key, view[: self.block_bytes])
                 self._pwrite(view, slot, 1)
             else:
-                sums[j] = _checksum(key, view)
                 direct.append((slot, j, view))
+        if not direct:
+            return sums
+        todo = [(keys[j], view) for _, j, view in direct]
+        future = _verifier().submit(_checksums, todo) if len(direct) > 1 else None
         direct.sort(key=lambda item: item[0])
-        for run in _runs(direct):
-            self._pwrite([item[2] for item in run], run[0][0], len(run))
+        try:
+            for run in _runs(direct):
+                self._pwrite([item[2] for item in run], run[0][0], len(run))
+        finally:
+            found = future.result() if future is not None else _checksums(todo)
+        for (_, j, _), checksum in zip(sorted(direct, key=lambda item: item[1]), found):
+            sums[j] = checksum
         return sums
 
     def _pwrite(self, views, slot: int, count: int) -> None:
@@ -496,13 +520,14 @@ class DiskTier:
 
 
 _MAX_RUN = 64  # blocks per preadv/pwritev (well under IOV_MAX; 32 MiB at 512 KiB blocks)
+_READ_CHUNK = 4 << 20  # bytes per preadv when a get is pipelined with its checksums
 
 
-def _runs(items: list[tuple]) -> Iterator[list[tuple]]:
-    """Split (slot, ...) items sorted by slot into runs of consecutive slots."""
+def _runs(items: list[tuple], limit: int = _MAX_RUN) -> Iterator[list[tuple]]:
+    """Split (slot, ...) items sorted by slot into runs of at most ``limit`` consecutive slots."""
     run: list[tuple] = []
     for item in items:
-        if run and (item[0] != run[-1][0] + 1 or len(run) == _MAX_RUN):
+        if run and (item[0] != run[-1][0] + 1 or len(run) == limit):
             yield run
             run = []
         run.append(item)
@@ -512,3 +537,23 @@ def _runs(items: list[tuple]) -> Iterator[list[tuple]]:
 
 def _checksum(key: bytes, data) -> int:
     return xxhash.xxh3_64_intdigest(data, seed=int.from_bytes(key[:8], "little"))
+
+
+def _checksums(items: list[tuple[bytes, memoryview]]) -> list[int]:
+    return [_checksum(key, view) for key, view in items]
+
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (owning pid, pool): a forked child makes its own
+_pool_lock = threading.Lock()
+
+
+def _verifier() -> ThreadPoolExecutor:
+    """One thread per process that checksums blocks while the caller's IO runs (xxh3 releases the GIL)."""
+    global _pool
+    pool = _pool
+    if pool is None or pool[0] != os.getpid():
+        with _pool_lock:
+            if _pool is None or _pool[0] != os.getpid():
+                _pool = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="tierkv-l3-verify"))
+            pool = _pool
+    return pool[1]
