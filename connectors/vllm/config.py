@@ -9,6 +9,8 @@ for the ``vllm`` table)::
      "vllm": {"load_async": "auto", "save_async": true}}
 
 The connector has no L1: vLLM owns device memory, so ``l1.num_blocks`` is forced to 0.
+Its default write policy is ``write_through`` (tierkv's own default is ``write_back``):
+see ``shared_store.py`` for why the scheduler needs blocks in a tier it can read.
 """
 
 from __future__ import annotations
@@ -69,7 +71,9 @@ def load_config(extra: Mapping[str, Any] | None, model_id: str, model_revision: 
                 env: Mapping[str, str] | None = None) -> ConnectorConfig:
     """Build the connector config from ``kv_connector_extra_config`` and env. Errors name the field."""
     env = os.environ if env is None else env
-    data: dict[str, Any] = {"model_id": model_id}
+    # Write-through by default: what the worker saves goes on to L3 (and L4) as it is saved, so the
+    # scheduler, in whatever process, finds it in the durable index, and a restart finds it too.
+    data: dict[str, Any] = {"model_id": model_id, "policy": {"write": "write_through"}}
     if model_revision:
         data["model_revision"] = model_revision
     extra = dict(extra or {})

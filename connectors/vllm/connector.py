@@ -2,8 +2,11 @@
 
 A thin facade: vLLM builds one instance per role, and each forwards to its
 half — ``ConnectorScheduler`` (decides, scheduler process) or
-``ConnectorWorker`` (moves bytes, worker process). Both open the store named
-by the config through ``shared_store``, so within one process they share it.
+``ConnectorWorker`` (moves bytes, worker process). The two may live in one
+process or in two; they share no Python object: the scheduler decides from
+what it reads durably (its view of the store: the L3 index, a shared L2, L4)
+plus the worker's reports in vLLM's connector output (``metadata.py``);
+``shared_store`` gives each process one store per config.
 
 A cache must never fail a request: the connector sets vLLM's
 ``kv_load_failure_policy`` to ``recompute`` (logging it when it was
@@ -23,6 +26,7 @@ from tierkv.connectors.vllm.layout import layout_from_kv_cache_config
 from tierkv.connectors.vllm.metadata import TierKVMetadata
 from tierkv.connectors.vllm.scheduler import ConnectorScheduler
 from tierkv.connectors.vllm.shared_store import acquire_store, release_store
+from tierkv.connectors.vllm.stats import TierKVPromMetrics, TierKVStats
 from tierkv.connectors.vllm.worker import ConnectorWorker
 
 log = logging.getLogger("tierkv.connectors.vllm")
@@ -49,11 +53,12 @@ class TierKVConnector(KVConnectorBase_V1):
         cfg = load_config(xfer.kv_connector_extra_config, model.model, getattr(model, "revision", None))
         layout, layer_names = layout_from_kv_cache_config(kv_cache_config)
         self.settings = cfg.vllm
-        self.store = acquire_store(cfg.store, layout)
+        is_scheduler = role == KVConnectorRole.SCHEDULER
+        self.store = acquire_store(cfg.store, layout, "scheduler" if is_scheduler else "worker")
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
-        if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = ConnectorScheduler(self.store, cfg.vllm)
+        if is_scheduler:
+            self._scheduler = ConnectorScheduler(self.store, cfg.vllm, cfg.store)
         else:
             self._worker = ConnectorWorker(self.store, cfg.vllm, layer_names)
 
@@ -86,6 +91,21 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def take_events(self):
         return self._scheduler.take_events()
+
+    # -- stats (both sides) ---------------------------------------------------
+
+    def get_kv_connector_stats(self):
+        """This side's counter deltas since its last call (``stats.py``), or None when nothing changed."""
+        half = self._scheduler if self._scheduler is not None else self._worker
+        return half.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data=None):
+        return TierKVStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return TierKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # -- worker side ----------------------------------------------------------
 
@@ -121,8 +141,13 @@ class TierKVConnector(KVConnectorBase_V1):
         return self._worker.build_worker_meta()
 
     def shutdown(self) -> None:
+        """Finish this half (the worker lands its queued saves; see ``ConnectorWorker.shutdown``) and
+        release the store. Idempotent: vLLM may call it from more than one place."""
+        if self.store is None:
+            return
         if self._worker is not None:
             self._worker.shutdown()
         if self._scheduler is not None:
             self._scheduler.shutdown()
-        release_store(self.store)
+        store, self.store = self.store, None
+        release_store(store)

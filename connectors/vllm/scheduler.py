@@ -1,5 +1,15 @@
 """Scheduler side of the vLLM connector: decides what to load and save; moves no bytes.
 
+What it decides from (it may run in another process than the worker, and
+shares no object with it): its store (``shared_store``: the worker's store
+when both halves share a process, else a view that reads the L3 index, a
+shared L2 slab and L4 durably), plus the keys the worker reported stored
+(``TierKVWorkerMetadata.saves_done``) and not since reported removed — blocks
+sitting in the worker's L2 or on their way to L3, treated as L2 hits. A
+promise the worker cannot keep (a block gone meanwhile) costs a recompute,
+never a wrong block: the worker looks every block up again and reports what
+it could not load.
+
 Per request it keeps tierkv's chain of block keys (from the token ids, so
 vLLM and tierkv's own engine share blocks), the store match it promised to
 vLLM (pinned until the worker reports the load done), how far the chain is
@@ -12,13 +22,16 @@ only from vLLM's scheduler thread; not thread-safe.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from tierkv.connectors.vllm.config import VllmSettings
+from tierkv.config import StoreConfig
 from tierkv.connectors.vllm.metadata import LoadSpec, SaveSpec, TierKVMetadata, TierKVWorkerMetadata
+from tierkv.connectors.vllm.stats import TierKVStats
 from tierkv.index import Tier
 from tierkv.store import Match, TierKVStore
 
@@ -35,18 +48,29 @@ class _Request:
     match: Match | None = None
     match_start: int = 0
     match_async: bool = False
+    match_tiers: list[int] = field(default_factory=list)
     loading: bool = False
     load_tiers: list[int] = field(default_factory=list)
+    counted: bool = False
     stored_upto: int = 0
     saved_upto: int = 0
     saves_running: int = 0
 
 
 class ConnectorScheduler:
-    def __init__(self, store: TierKVStore, settings: VllmSettings) -> None:
+    def __init__(self, store: TierKVStore, settings: VllmSettings, config: StoreConfig | None = None) -> None:
         self.store = store
         self.settings = settings
         self.block_size = store.block_size
+        config = config or store.config
+        # Keys the worker reported stored and not removed, oldest first; at most what its L2 and
+        # L3 can hold (an older key is gone from both, or the view finds it in L3 itself).
+        self._held: OrderedDict[bytes, None] = OrderedDict()
+        bb = store.layout.block_bytes
+        self._held_cap = max(1, config.l2.capacity // bb + (config.l3.capacity // bb if config.l3_enabled else 0))
+        # Where a held block is read from: the worker's L2 when it has one, else L3 (or L4).
+        self._held_tier = Tier.L2 if config.l2.capacity >= bb else Tier.L3 if config.l3_enabled else Tier.L4
+        self._stats = TierKVStats()
         self._requests: dict[str, _Request] = {}
         self._loads: list[LoadSpec] = []
         self._report_when_saved: set[str] = set()
@@ -105,20 +129,32 @@ class ConnectorScheduler:
             return 0, False
         keys = self._keys(st, limit)[:limit]
         if start >= limit:
-            st.stored_upto = self.store.lookup_keys(keys, pin=False).num_blocks
+            st.stored_upto = len(self._with_held(keys, self.store.lookup_keys(keys, pin=False).tiers))
             st.saved_upto = min(st.saved_upto, st.stored_upto)  # re-admitted: re-save what was evicted
             return 0, False
         m = self.store.lookup_keys(keys, pin=True)
-        st.stored_upto = m.num_blocks
+        tiers = self._with_held(keys, m.tiers)
+        st.stored_upto = len(tiers)
         st.saved_upto = min(st.saved_upto, st.stored_upto)
-        if m.num_blocks <= start:
+        if not st.counted:
+            st.counted = True
+            self._stats.add("misses", limit - max(start, len(tiers)))
+        if len(tiers) <= start:
             self.store.release(m)
             return 0, False
-        tiers = m.tiers[start:]
+        tiers = tiers[start:]
         mode = self.settings.load_async
         is_async = mode == "always" or (mode == "auto" and any(t >= Tier.L3 for t in tiers))
-        st.match, st.match_start, st.match_async = m, start, is_async
+        st.match, st.match_start, st.match_async, st.match_tiers = m, start, is_async, tiers
         return len(tiers) * self.block_size, is_async
+
+    def _with_held(self, keys: list[bytes], tiers: list[int]) -> list[int]:
+        """``tiers`` of the store's match, extended and sped up by the keys the worker reported held."""
+        held, fast = self._held, self._held_tier
+        out = [fast if t > fast and keys[i] in held else t for i, t in enumerate(tiers)]
+        while len(out) < len(keys) and keys[len(out)] in held:
+            out.append(fast)
+        return out
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         """Record the vLLM blocks to fill. The second call after an async load (0 tokens) changes nothing."""
@@ -134,7 +170,7 @@ class ConnectorScheduler:
         self._loads.append(LoadSpec(request.request_id, list(st.keys[: start + n]), start, block_ids,
                                     st.match_async))
         st.loading = True
-        st.load_tiers = st.match.tiers[start : start + n]
+        st.load_tiers = st.match_tiers[:n]
         st.stored_upto = max(st.stored_upto, start + n)
 
     def get_external_cache_hit_sources(self, request, num_external_tokens: int) -> dict:
@@ -221,8 +257,28 @@ class ConnectorScheduler:
                     lora_id=None, medium=self._medium, lora_name=None))
                 if self._announced is not None:
                     self._announced.update(hashes)
+                for key in hashes:
+                    self._held[key] = None
+                    self._held.move_to_end(key)
+                while len(self._held) > self._held_cap:
+                    self._held.popitem(last=False)
         if wm.removed:
+            for key in wm.removed:
+                self._held.pop(key, None)
+            self._forget(wm.removed)
             self._announce_removed(wm.removed)
+
+    def _forget(self, keys: list[bytes]) -> None:
+        """Drop from a view's index the removed keys L3 no longer holds (the worker's own store already did)."""
+        store = self.store
+        if store.l3 is None:
+            return
+        with store._lock:
+            present = store.l3.contains(keys)
+            for key, there in zip(keys, present):
+                entry = store.index.get(key)
+                if entry is not None and not there and entry.in_tier(Tier.L3) and not entry.ref_count:
+                    store.index.drop(key, Tier.L3)
 
     def _announce_removed(self, keys: list[bytes]) -> None:
         """One ``BlockRemoved`` for the keys among ``keys`` that a ``BlockStored`` announced."""
@@ -248,6 +304,13 @@ class ConnectorScheduler:
             return True, None
         del self._requests[request.request_id]
         return False, None
+
+    def take_stats(self) -> TierKVStats | None:
+        """Counter deltas since the last call (misses), or None when there are none."""
+        if self._stats.is_empty():
+            return None
+        stats, self._stats = self._stats, TierKVStats()
+        return stats
 
     def take_events(self) -> list:
         events, self._events = self._events, []

@@ -1,43 +1,69 @@
-"""One TierKVStore per process and (config, layout), shared by the connector's two roles.
+"""The connector's store per process: the worker's full store, or the scheduler's view.
 
-vLLM builds the scheduler-side and the worker-side connector separately; with
-one GPU (UniProcExecutor) both live in the engine-core process. Sharing the
-store there means one index, one L2 slab and one handle on the L3 directory,
-so what a worker saves the scheduler finds at once. Across processes the
-tiers themselves are shared (L2 via ``l2.shared_name``, L3 by directory, L4
-by URL). Thread-safe; the store is closed when its last user releases it.
+vLLM builds the scheduler-side and the worker-side connector separately. They
+may share a process (UniProcExecutor: one GPU today) or not (the
+multi-process executor: vLLM on CPU always, TP > 1). Nothing here relies on
+either:
+
+- the **worker** opens the full store of the config: its own L2 (private, or
+  the ``l2.shared_name`` slab), the L3 directory, the L4 pool;
+- the **scheduler** needs only what it can read durably from any process:
+  the L3 index (LMDB), a shared L2 slab's index, L4 membership. Its *view*
+  is the same config without a private L2 (a view never writes; a private
+  slab there would be memory no one reads).
+
+In one process both roles use one store (one index, one handle on the L3
+directory, which LMDB allows once per process): whichever role comes first
+opens it, the worker's kind when the worker comes first (vLLM 0.32.0's
+order); a worker that finds a scheduler's view adopts it and then saves
+straight to L3. Thread-safe; the store is closed when its last user releases it.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+from dataclasses import replace
 
-from tierkv.config import StoreConfig
+from tierkv.config import L2Config, StoreConfig
 from tierkv.layout import KVLayout
 from tierkv.store import TierKVStore
 
+log = logging.getLogger("tierkv.connectors.vllm")
 _lock = threading.Lock()
-_stores: dict[tuple[StoreConfig, KVLayout], tuple[TierKVStore, int]] = {}
+_stores: dict[tuple[StoreConfig, KVLayout], list] = {}  # key -> [store, users, is_view]
 
 
-def acquire_store(config: StoreConfig, layout: KVLayout) -> TierKVStore:
-    """The process's store for ``(config, layout)``, opened on first use. Pair with ``release_store``."""
+def view_config(config: StoreConfig) -> StoreConfig:
+    """``config`` as the scheduler's view opens it: no private L2 (a shared slab stays)."""
+    if config.l2.shared_name:
+        return config
+    return replace(config, l2=L2Config(capacity=0, shared_name="", pin=False))
+
+
+def acquire_store(config: StoreConfig, layout: KVLayout, role: str) -> TierKVStore:
+    """This process's store for ``(config, layout)``; ``role`` "worker" or "scheduler" says what
+    to open when none is open yet. Pair with ``release_store``."""
     key = (config, layout)
     with _lock:
-        store, users = _stores.get(key, (None, 0))
-        if store is None:
-            store = TierKVStore(config, layout)
-        _stores[key] = (store, users + 1)
-        return store
+        entry = _stores.get(key)
+        if entry is None:
+            view = role == "scheduler"
+            entry = _stores[key] = [TierKVStore(view_config(config) if view else config, layout), 0, view]
+        elif role == "worker" and entry[2]:
+            log.warning("tierkv: the worker shares the scheduler's view of the store (it started "
+                        "first in this process): saves go straight to L3, without L2")
+        entry[1] += 1
+        return entry[0]
 
 
 def release_store(store: TierKVStore) -> None:
-    """Drop one use of ``store``; the last one closes it (finishes transfers, closes files)."""
+    """Drop one use of ``store``; the last one closes it (finishes queued writes, closes files)."""
     with _lock:
-        for key, (s, users) in list(_stores.items()):
-            if s is store:
-                if users > 1:
-                    _stores[key] = (s, users - 1)
+        for key, entry in list(_stores.items()):
+            if entry[0] is store:
+                entry[1] -= 1
+                if entry[1] > 0:
                     return
                 del _stores[key]
                 break

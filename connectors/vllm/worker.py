@@ -23,6 +23,17 @@ the worker metadata; the scheduler side turns those it announced into
 under the store's lock, so it only takes ``_lock`` to append; nothing here
 calls the store while holding ``_lock``.
 
+Counters (``stats.py``): the blocks each load really put into vLLM's cache,
+by tier, and the store's corrupt/failure/byte counters, as deltas in
+``get_kv_connector_stats``; hit counts and namespace labels also go to the L3
+directory's catalog (what ``tierkv ls`` / ``info`` show), on the save thread.
+
+Shutdown (vLLM calls it when the worker exits, within its grace period):
+saves already gathered are stored, then the store's close lands the
+write-through copies still queued. A kill at any point loses queued blocks
+whole: an L3 block is indexed in the same LMDB commit that follows its
+fdatasync, so a reader never finds a torn or half-indexed block.
+
 Called from vLLM's worker thread; the background save thread and the
 removal listener share only the state guarded by ``_lock``.
 """
@@ -42,6 +53,8 @@ from tierkv.connectors.vllm.config import VllmSettings
 from tierkv.connectors.vllm.landing import LandingPool
 from tierkv.connectors.vllm.layout import cache_view, resolve_split
 from tierkv.connectors.vllm.metadata import LoadSpec, TierKVMetadata, TierKVWorkerMetadata
+from tierkv.connectors.vllm.stats import TierKVStats, store_deltas
+from tierkv.metrics import TIER_NAMES
 from tierkv.kernels import gather_blocks, scatter_blocks
 from tierkv.store import Match, TierKVStore
 from tierkv.transfer import LoadHandle, LoadResult
@@ -94,6 +107,17 @@ class ConnectorWorker:
         self._listening = store.l2 is not None or store.l3 is not None
         if self._listening:
             store.index.add_removal_listener(self._on_removed)
+        self._stats = TierKVStats()
+        self._store_seen: dict[str, int] = {}
+        self._catalog = None
+        if store.l3 is not None:
+            from tierkv.catalog import Catalog
+
+            try:
+                self._catalog = Catalog(store.config.l3.path)
+            except Exception as exc:  # advisory: a missing catalog costs the tools' hit counts only
+                log.warning("tierkv: cannot open the L3 catalog (%r); hit counts are not recorded", exc)
+        self._labelled: set[bytes] = set()
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Adopt vLLM's per-layer caches as one strided view; refuses a layout it does not know."""
@@ -148,6 +172,12 @@ class ConnectorWorker:
         self._errors.update(spec.block_ids[good:])
         self.store.release(load.match)
         with self._lock:
+            for tier in load.match.tiers[spec.start : spec.start + good]:
+                self._stats.add(f"hits:{TIER_NAMES[tier]}")
+            self._stats.add("load_errors", len(spec.block_ids) - good)
+        if good and self._catalog is not None:
+            self._saver.submit(self._catalog_job, self._catalog.count_hits, spec.keys[spec.start : spec.start + good])
+        with self._lock:
             self._loads_done.add(spec.req_id)
             if good < len(spec.block_ids):
                 self._loads_short[spec.req_id] = spec.start + good
@@ -164,6 +194,22 @@ class ConnectorWorker:
             sending = {r for r in self._report if self._running[r] == 0}
         self._report -= sending
         return sending or None, recving or None
+
+    def take_stats(self) -> TierKVStats | None:
+        """Counter deltas since the last call (this worker's loads and saves, its store's counters)."""
+        store_deltas(self.store.metrics.snapshot(), self._store_seen, self._stats)
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            stats, self._stats = self._stats, TierKVStats()
+        return stats
+
+    def _catalog_job(self, fn, *args) -> None:
+        """Save thread: one catalog write; advisory, so a failure is logged, never raised."""
+        try:
+            fn(*args)
+        except Exception as exc:
+            log.warning("tierkv: catalog write failed (%r)", exc)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
@@ -253,11 +299,16 @@ class ConnectorWorker:
                         while good < n and flags[good]:
                             good += 1
                         self._saves_done[spec.save_id] = good
+                        self._stats.add("saved", good)
                     # Shipped with (never before) this save's report: else the scheduler would
                     # see the removal first and then announce a block already gone as stored.
                     self._removed.extend(self._put_removed)
                     self._putting, self._put_removed = set(), []
             first += n
+            root = spec.keys[0] if spec.keys else None
+            if self._catalog is not None and spec.start == 0 and root not in self._labelled:
+                self._labelled.add(root)
+                self._catalog_job(self._catalog.label, [root], self.store.config.namespace)
 
     def _on_removed(self, key: bytes) -> None:
         """Index removal listener: runs under the store's lock on any thread; only records."""
@@ -304,3 +355,6 @@ class ConnectorWorker:
             self.landing.give_back(load.staging)
         self._async.clear()
         self.landing.close()
+        if self._catalog is not None:
+            self._catalog.close()
+            self._catalog = None

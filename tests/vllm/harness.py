@@ -220,7 +220,9 @@ def blocks_hold(e: Engine, req_id: str, tokens: list[int], n_blocks: int) -> lis
 
 
 def no_pins(e: Engine) -> bool:
-    """No block of the store is pinned any more (every load's match was released)."""
+    """No block of the store is pinned any more (every load's match was released), once the
+    write-through copies queued so far have landed (each pins its block until then)."""
+    e.store.flush()
     return all(entry.ref_count == 0 for entry in e.store.index.entries())
 
 
@@ -242,9 +244,11 @@ def make_engine(extra: dict, num_blocks: int = 64, max_batched: int = 512) -> En
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_DIM, dtype=torch.float16)
     kv_cache_config = get_kv_cache_config_from_groups(cfg, [KVCacheGroupSpec(LAYERS, spec)], 1 << 40)
     cfg.cache_config.num_gpu_blocks = num_blocks
+    # The worker's connector first, as vLLM builds them (the worker's KV cache set-up precedes the
+    # Scheduler): in one process the scheduler then shares the worker's full store.
+    worker = TierKVConnector(cfg, KVConnectorRole.WORKER, kv_cache_config)
     scheduler = Scheduler(vllm_config=cfg, kv_cache_config=kv_cache_config, log_stats=True,
                           structured_output_manager=StructuredOutputManager(cfg), block_size=BLOCK)
-    worker = TierKVConnector(cfg, KVConnectorRole.WORKER, kv_cache_config)
     caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC)
     worker.register_kv_caches(caches)
     engine = Engine(scheduler, worker, caches)

@@ -13,7 +13,9 @@ import torch
 from harness import Engine, prompt
 from vllm.v1.outputs import KVConnectorOutput
 
-TINY = {"l2": "128KiB", "l3": "128KiB", "policy": "lru"}  # 4 blocks each
+# 4 blocks each; write-back (not the connector's write-through default): blocks reach L3 only
+# as L2 demotes them, which fixes the exact order of evictions the first test checks.
+TINY = {"l2": "128KiB", "l3": "128KiB", "policy": "lru", "write": "write_back"}
 
 
 def kv_events(e: Engine, names: dict[bytes, str]) -> list[tuple[str, list[str]]]:
@@ -81,7 +83,7 @@ def test_a_block_evicted_while_its_own_save_runs_is_removed_after_it_is_stored(e
     # L2 and L3 hold one block each: storing X2 pushes X1 down to L3, which pushes X0 out.
     # A worker report taken while put_blocks is still returning (as vLLM's step may take
     # one while a background save runs) must not carry X0's removal ahead of X0's store.
-    e = engine(l2="32KiB", l3="32KiB", policy="lru", save_async=False)
+    e = engine(l2="32KiB", l3="32KiB", policy="lru", write="write_back", save_async=False)
     put_blocks = e.store.put_blocks
 
     def put_then_report(*args, **kwargs):
