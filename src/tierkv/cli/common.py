@@ -118,3 +118,24 @@ def repo_root() -> Path | None:
     """The source checkout this package runs from (for bench/ scripts), if any."""
     root = Path(__file__).resolve().parents[3]
     return root if (root / "pyproject.toml").exists() else None
+
+
+MODEL_HELP = ("A registered model name (`tierkv model ls`), a .gguf file, or a local Hugging Face Llama "
+              "directory (config.json + safetensors).")
+
+
+def model_path(arg: str | Path, what: str = "--model") -> Path:
+    """The model directory ``--model`` names (``tierkv.models.resolve_model``); CLIError (exit 2) on bad input.
+
+    A registered name is pulled on first use and a GGUF file converted once
+    (both cached under the models directory).
+    """
+    from tierkv.models import resolve_model
+    from tierkv.models.gguf_convert import GGUFError
+
+    try:
+        return resolve_model(arg)
+    except GGUFError as exc:
+        raise CLIError(f"{what}: {exc}", 2) from None
+    except ValueError as exc:
+        raise CLIError(f"{what}: {str(exc).removeprefix('model: ')}", 2) from None

@@ -12,21 +12,21 @@ import typer
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from tierkv.catalog import Catalog
-from tierkv.cli.common import CacheDir, CLIError, ConfigFile, Debug, Json, app, console, err_console, print_json, settings
+from tierkv.cli.common import (
+    MODEL_HELP, CacheDir, CLIError, ConfigFile, Debug, Json, app, console, err_console, model_path, print_json, settings,
+)
 from tierkv.config import parse_size
 from tierkv.index import Tier
 from tierkv.metrics import TIER_NAMES
 
-Model = Annotated[Path, typer.Option("--model", "-m", help="A local Llama-family checkpoint directory (config.json + safetensors).")]
+Model = Annotated[str, typer.Option("--model", "-m", help=MODEL_HELP)]
 Threads = Annotated[int, typer.Option("--threads", min=0, help="torch threads for the model (0: torch's default).")]
 
 
 def open_llm(s, model: Path, num_blocks: int, threads: int, max_model_len: int = 0):
-    """The engine over ``model`` with this command's store config (L3 under the cache dir)."""
+    """The engine over model directory ``model`` (see ``model_path``) with this command's store config."""
     from tierkv.engine import LLM, EngineConfig
 
-    if not (model / "config.json").exists():
-        raise CLIError(f"--model: {model} has no config.json (expected a Hugging Face Llama checkpoint directory)", 2)
     return LLM(model, s.config, EngineConfig(num_blocks=num_blocks, num_threads=threads, max_model_len=max_model_len))
 
 
@@ -84,7 +84,7 @@ def read_prompts(path: Path, encode) -> list[tuple[list[int], str | None]]:
     return out
 
 
-@app.command("warm", epilog="Example: `tierkv warm prompts.jsonl --model ~/.cache/tierkv/models/small` "
+@app.command("warm", epilog="Example: `tierkv warm prompts.jsonl --model smollm2-135m-instruct` "
                             "with lines like {\"prompt\": \"You are ...\", \"namespace\": \"tenant-a\"}")
 def warm_cmd(
     prompts: Annotated[Path, typer.Argument(help="JSONL: one {\"prompt\": str} or {\"prompt_token_ids\": [int]} per line, optional \"namespace\".")],
@@ -99,12 +99,11 @@ def warm_cmd(
     from tierkv.engine.tokenizer import Tokenizer
 
     s = settings(cache_dir, config, debug)
-    if not (model / "config.json").exists():
-        raise CLIError(f"--model: {model} has no config.json (expected a Hugging Face Llama checkpoint directory)", 2)
-    items = read_prompts(prompts, Tokenizer(model, read_config(model).vocab_size).encode)
+    model_dir = model_path(model)
+    items = read_prompts(prompts, Tokenizer(model_dir, read_config(model_dir).vocab_size).encode)
     started = time.perf_counter()
     longest = max(len(ids) for ids, _ in items)
-    llm = open_llm(s, model, max(256, longest // 16 + 64), threads)
+    llm = open_llm(s, model_dir, max(256, longest // 16 + 64), threads)
     if llm.store.l3 is None:
         llm.close()
         raise CLIError("warm: this store has no L3 (l3_enabled is false or l3.capacity is 0); nothing would persist")
@@ -143,7 +142,7 @@ def warm_cmd(
                       + f" in {report['seconds']:.1f} s")
 
 
-@app.command("serve", epilog="Example: `tierkv serve --model ~/.cache/tierkv/models/small --port 8000`, then "
+@app.command("serve", epilog="Example: `tierkv serve --model smollm2-135m-instruct --port 8000`, then "
                              "`curl localhost:8000/v1/completions -d '{\"prompt\": \"Hello\", \"max_tokens\": 8}'`")
 def serve_cmd(
     model: Model,
@@ -163,12 +162,13 @@ def serve_cmd(
     from tierkv.engine.server import EngineServer, ServerConfig
 
     s = settings(cache_dir, config, debug)
+    model_dir = model_path(model)
     try:
-        server_config = ServerConfig(host, port, served_model_name or model.resolve().name,
+        server_config = ServerConfig(host, port, served_model_name or model_dir.resolve().name,
                                      parse_size(max_body, "--max-body"), max_tokens)
     except ValueError as exc:
         raise CLIError(str(exc), 2) from None
-    llm = open_llm(s, model, num_blocks, threads, max_model_len)
+    llm = open_llm(s, model_dir, num_blocks, threads, max_model_len)
     recorder = Recorder(llm, persist)
     name = server_config.model_name
     try:

@@ -19,7 +19,7 @@ from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeEl
 from rich.table import Table
 
 from tierkv.catalog import evict_namespace
-from tierkv.cli.common import CacheDir, CLIError, ConfigFile, Debug, app, console, settings
+from tierkv.cli.common import MODEL_HELP, CacheDir, CLIError, ConfigFile, Debug, app, console, model_path, settings
 from tierkv.demo import FULL, NAMESPACE, QUICK, write_chart
 from tierkv.metrics import TIER_NAMES
 from tierkv.tiers.disk_open import DamagedL3
@@ -104,8 +104,8 @@ def summary_line(index: int, ps: dict) -> str:
 @app.command("run", epilog="Examples: `tierkv run`, `tierkv run --quick --json out/run.json`, "
                            "`tierkv run --model ~/models/Llama-3.2-1B`")
 def run_cmd(
-    model: Annotated[Path | None, typer.Option("--model", "-m", help="A local Llama-family checkpoint directory "
-                                                                      "[default: the `small` demo model, created on first use].")] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help=MODEL_HELP + " [default: the `small` random "
+                                                                     "demo model, created on first use].")] = None,
     quick: Annotated[bool, typer.Option("--quick", help="A shorter chat (2 users x 2 turns), under a minute.")] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the figures to this JSON file (the PNG chart goes next to it).")] = None,
     cache_dir: CacheDir = None, config: ConfigFile = None, debug: Debug = False,
@@ -118,15 +118,14 @@ def run_cmd(
     """
     started = time.perf_counter()
     s = settings(cache_dir, config, debug)
-    if model is not None and not (model / "config.json").exists():
-        raise CLIError(f"--model: {model} has no config.json (expected a Hugging Face Llama checkpoint directory)", 2)
+    chosen = None if model is None else model_path(model)
     work = QUICK if quick else FULL
     out_json = json_path or s.cache_dir / "run" / "last-run.json"
     out_json.parent.mkdir(parents=True, exist_ok=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console) as bar:
         task = bar.add_task("preparing the demo model", total=2 * work.users * work.turns)
-        model_dir = model or ensure_demo_model(s.cache_dir)
+        model_dir = chosen or ensure_demo_model(s.cache_dir)
         try:
             evict_namespace(s.l3_path, NAMESPACE)  # pass 1 starts cold whatever an earlier run left
         except DamagedL3:
