@@ -27,6 +27,7 @@ import torch
 
 import _workers
 from _kv import LAYOUT, ODD_LAYOUT, block_for, key_of, prompt, same_bytes, save_prompt
+from _prom import value
 from tierkv.index import Tier
 
 L3_BLOCKS = 64
@@ -140,6 +141,10 @@ def test_a_damaged_index_is_moved_aside_and_the_store_starts_empty(make_store, l
     caplog.set_level(logging.WARNING, logger="tierkv")
     store = make_store(l1=4, l2=0, l3=L3_BLOCKS)
     assert store.stats()["failures"] == {"l3_damaged_index": lost}
+    # Exposed to Prometheus: the blocks lost (0 where unknown) and, always 1, the damage itself.
+    text = store.metrics.exposition()
+    assert value(text, "tierkv_failures_total", tier="l3", reason="damaged_index") == lost
+    assert value(text, "tierkv_failure_events_total", tier="l3", reason="damaged_index") == 1
     warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(warnings) == 1 and "damaged_index" in warnings[0] and str(l3_dir) in warnings[0], warnings
     aside = check_fresh_l3(make_store, store, l3_dir, prompts, ["catalog", "index", "slots.bin"])

@@ -30,6 +30,7 @@ class Metrics:
         self.bytes = defaultdict(int)       # (tier, "read"|"write") -> bytes
         self.evictions = defaultdict(int)   # tier -> blocks
         self.failures = defaultdict(int)    # (tier, reason) -> blocks
+        self.failure_events = defaultdict(int)  # (tier, reason) -> failures, each of 0 or more blocks
         self.corrupt = defaultdict(int)     # tier -> blocks
         self.load_buckets = [0] * (len(_BUCKETS) + 1)
         self.load_sum = 0.0
@@ -49,9 +50,10 @@ class Metrics:
             self.misses += missed
 
     def failure(self, tier: str, reason: str, n: int = 1, detail: str = "") -> None:
-        """Count ``n`` blocks lost to a tier failure; log the first of each kind only."""
+        """Count one failure that lost ``n`` blocks (0 where unknown); log the first of each kind only."""
         with self._lock:
             self.failures[(tier, reason)] += n
+            self.failure_events[(tier, reason)] += 1
             if reason == "corrupt":
                 self.corrupt[tier] += n
             first = (tier, reason) not in self._warned
@@ -78,6 +80,7 @@ class Metrics:
                 "bytes": {f"{t}_{d}": v for (t, d), v in self.bytes.items()},
                 "evictions": dict(self.evictions),
                 "failures": {f"{t}_{r}": v for (t, r), v in self.failures.items()},
+                "failure_events": {f"{t}_{r}": v for (t, r), v in self.failure_events.items()},
                 "corrupt": dict(self.corrupt),
                 "load_count": self.load_count,
                 "load_seconds_sum": self.load_sum,
@@ -110,6 +113,7 @@ class _Collector:
         with self.m._lock:
             items = list(self.m.bytes.items())
             fails = list(self.m.failures.items())
+            events = list(self.m.failure_events.items())
         for (tier, direction), v in items:
             byt.add_metric([tier, direction], v)
         yield byt
@@ -125,6 +129,13 @@ class _Collector:
         for (tier, reason), v in fails:
             fail.add_metric([tier, reason], v)
         yield fail
+        # A damaged L3 moved aside may have lost an unknown number of blocks (counted as 0 above):
+        # this counter still goes up by one, so an alert on it sees every failure.
+        ev_fail = CounterMetricFamily("tierkv_failure_events", "Tier failures, each losing 0 or more blocks",
+                                      labels=["tier", "reason"])
+        for (tier, reason), v in events:
+            ev_fail.add_metric([tier, reason], v)
+        yield ev_fail
         use = GaugeMetricFamily("tierkv_blocks", "Blocks held, by tier", labels=["tier"])
         cap = GaugeMetricFamily("tierkv_capacity_blocks", "Capacity in blocks, by tier", labels=["tier"])
         for tier, (used, capacity) in s["usage"].items():
