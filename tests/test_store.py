@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from _kv import LAYOUT, ODD_LAYOUT, block_for, prompt, same_bytes, save_prompt
+from _prom import families, value
 from tierkv.index import Tier
 from tierkv.store import OutOfBlocks
 
@@ -217,37 +218,64 @@ def test_corrupt_l3_blocks_are_counted_misses_never_wrong_bytes(make_store, layo
     assert stats["corrupt"] == {"l3": 2} and stats["failures"] == {"l3_corrupt": 2}
 
 
+def leading(keys, good) -> int:
+    """How many blocks of a chain, from the first, satisfy ``good``: what a lookup can serve."""
+    return next((i for i, k in enumerate(keys) if not good(k)), len(keys))
+
+
 def test_truncated_slot_file_is_counted_misses_open_and_after_reopen(make_store, layout, l3_dir):
+    """Blocks past the cut miss (counted), the rest still hit with their bytes, before and after a reopen."""
     store = make_store(l1=4, l2=0, l3=16)
     prompts = [prompt(20 + i, 4, layout) for i in range(3)]
     for p in prompts:
-        save_prompt(store, p)
+        save_prompt(store, p)          # the first two end up in L3, the third stays in L1
     slots = l3_slots(store)
-    cut = 2
+    chains = [store.hash(p) for p in prompts]
+    assert set(slots) == set(chains[0]) | set(chains[1])
+    cut = 6
     os.truncate(l3_dir / "slots.bin", cut * store.l3.stride)
-    expected_bad = sum(s >= cut for s in slots.values())
-    assert expected_bad == 6
-    for p in prompts[:2]:
-        m = store.lookup(p)
+    bad = {k for k, s in slots.items() if s >= cut}
+    assert 0 < len(bad) < len(slots)   # some blocks of L3 are cut off, some are not
+    corrupt = 0
+    for keys in chains[:2]:
+        m = store.lookup_keys(keys)
+        assert m.tiers == [L3] * 4
         slots_l1, result = load_into_l1(store, m)
-        assert result.num_ok == next((i for i, k in enumerate(m.keys) if slots[k] >= cut), 4)
+        assert result.ok == [k not in bad for k in keys]           # exactly the cut-off blocks fail
+        assert result.num_ok == leading(keys, lambda k: k not in bad)
+        corrupt += sum(k in bad for k in keys)
         for i in range(result.num_ok):
-            assert same_bytes(store.l1.block(m.entries[i].l1_slot), block_for(m.keys[i], layout))
+            assert same_bytes(store.l1.block(m.entries[i].l1_slot), block_for(keys[i], layout))
         store.free([s for j, s in enumerate(slots_l1) if not result.adopted[m.to_load[j]]])
         store.release(m)
-    assert store.stats()["corrupt"]["l3"] >= 1
+        counted = {"l3_corrupt": corrupt} if corrupt else {}
+        assert store.stats()["corrupt"].get("l3", 0) == corrupt and store.stats()["failures"] == counted
+        # The failed blocks are gone: the next lookup serves the leading good run only.
+        assert store.lookup_keys(keys, pin=False).num_blocks == result.num_ok
+    before = l3_slots(store)
     store.close()
-    # A fresh store on the damaged directory: grown back with zeros, every damaged block a miss.
-    os.truncate(l3_dir / "slots.bin", 4096 + 17)
+    # A fresh store on a slot file cut mid-block: records past the end are dropped (counted),
+    # the file grows back to its size, and every block that still fits is a hit with its bytes.
+    keep = 4
+    os.truncate(l3_dir / "slots.bin", keep * store.l3.stride + 17)
+    fits = {k for k, s in before.items() if s < keep}
+    assert fits and len(fits) < len(before)
     again = make_store(l1=4, l2=0, l3=16)
-    for p in prompts:
-        m = again.lookup(p)
+    assert set(l3_slots(again)) == fits
+    assert again.stats()["failures"] == {"l3_corrupt": len(before) - len(fits)}
+    served = 0
+    for keys in chains:
+        m = again.lookup_keys(keys)
+        expect = leading(keys, lambda k: k in fits)
+        assert m.num_blocks == expect and m.tiers == [L3] * expect
         dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in m.to_load]
         result = again.load(m, dst).wait(30)
-        for i in range(result.num_ok):
-            assert same_bytes(dst[i], block_for(m.keys[i], layout))
+        assert result.num_ok == expect
+        assert all(same_bytes(dst[i], block_for(keys[i], layout)) for i in range(expect))
+        served += expect
         again.release(m)
-    assert again.stats()["failures"].get("l3_corrupt", 0) >= 1
+    assert served > 0 and again.stats()["hits"] == {"l3": served}
+    assert again.stats()["failures"] == {"l3_corrupt": len(before) - len(fits)}  # nothing else failed
 
 
 def test_full_disk_keeps_serving_from_l1_and_l2(make_store, layout, small_tmpfs):
@@ -278,6 +306,12 @@ def test_full_disk_keeps_serving_from_l1_and_l2(make_store, layout, small_tmpfs)
     assert served > 0
 
 
+# Every store metric docs/design.md §16 and the README name (the server adds its own, tests/cli).
+STORE_FAMILIES = {"tierkv_hits", "tierkv_misses", "tierkv_lookups", "tierkv_bytes", "tierkv_evictions",
+                  "tierkv_corrupt_blocks", "tierkv_failures", "tierkv_failure_events", "tierkv_blocks",
+                  "tierkv_capacity_blocks", "tierkv_load_seconds"}
+
+
 def test_stats_and_prometheus_exposition(make_store, layout):
     store = make_store(l1=4, l2=4, l3=16)
     prompts = three_prompts_in_three_tiers(store)
@@ -287,12 +321,36 @@ def test_stats_and_prometheus_exposition(make_store, layout):
     store.release(m)
     stats = store.stats()
     assert stats["lookups"] == 4 and stats["hits"] == {"l3": 4} and stats["misses"] == 13
-    assert stats["evictions"]["l1"] >= 8 and stats["evictions"]["l2"] >= 4
-    assert stats["load_count"] == 1 and stats["block_bytes"] == layout.block_bytes
-    text = store.metrics.exposition().decode()
-    assert 'tierkv_hits_total{tier="l3"} 4.0' in text
-    assert "tierkv_misses_total 13.0" in text
-    assert "tierkv_load_seconds_count 1.0" in text
+    # B pushes A to L2, C pushes B to L2 and A to L3, loading A pushes C to L2 and B to L3.
+    assert stats["evictions"] == {"l1": 12, "l2": 8}
+    bb = layout.block_bytes
+    assert stats["bytes"] == {"l2_write": 12 * bb, "l3_write": 8 * bb, "l3_read": 4 * bb}
+    assert stats["usage"] == {"l1": (4, 4), "l2": (4, 4), "l3": (8, 16)}
+    assert stats["load_count"] == 1 and stats["block_bytes"] == bb
+    # One block of B (now in L3) damaged on disk: its load is a counted miss.
+    slot = l3_slots(store)[store.hash(prompts["B"])[1]]
+    flip(store.l3.path / "slots.bin", slot * store.l3.stride + 5)
+    mb = store.lookup(prompts["B"])
+    assert mb.tiers == [L3] * 4
+    slots_b, result = load_into_l1(store, mb)
+    assert result.ok == [True, False, True, True] and result.num_ok == 1
+    store.free([s for j, s in enumerate(slots_b) if not result.adopted[mb.to_load[j]]])
+    store.release(mb)
+    stats = store.stats()  # also refreshes the usage gauges, as `tierkv serve` does before each scrape
+    text = store.metrics.exposition()
+    assert families(text) >= STORE_FAMILIES
+    assert value(text, "tierkv_hits_total", tier="l3") == 8
+    assert value(text, "tierkv_hits_total", tier="l1") == 0
+    assert value(text, "tierkv_misses_total") == 13
+    assert value(text, "tierkv_lookups_total") == 5
+    assert value(text, "tierkv_evictions_total", tier="l1") == stats["evictions"]["l1"] > 12
+    assert value(text, "tierkv_bytes_total", tier="l3", direction="read") == stats["bytes"]["l3_read"] == 7 * bb  # good blocks only
+    assert value(text, "tierkv_corrupt_blocks_total", tier="l3") == 1
+    assert value(text, "tierkv_failures_total", tier="l3", reason="corrupt") == 1
+    assert value(text, "tierkv_failure_events_total", tier="l3", reason="corrupt") == 1
+    assert value(text, "tierkv_blocks", tier="l3") == stats["usage"]["l3"][0] == store.l3.used
+    assert value(text, "tierkv_capacity_blocks", tier="l3") == 16
+    assert value(text, "tierkv_load_seconds_count") == 2
 
 
 def test_store_without_l1_keeps_put_blocks_and_loads_into_tensors(make_store, layout):
@@ -467,20 +525,29 @@ def test_a_victim_the_next_tier_cannot_take_goes_one_further_down(make_store, la
     store.release(mb)
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_a_randomly_damaged_l3_index_is_moved_aside_or_serves_only_correct_bytes(make_store, layout, l3_dir,
-                                                                                 seed):
-    """50 seeded byte flips anywhere in the index: the store always starts. Either the index is found
-    damaged (moved aside once, counted with the blocks it listed, L3 empty) or it serves what it still
-    can, every loaded byte right. Either way the L3 then takes new blocks that a restart finds.
-    (Seeds 0, 1, 4 and 6 move the index aside, 2, 3, 5 and 7 serve.)"""
+def l3_records(store) -> dict[bytes, tuple]:
+    return {r.key: (r.slot, r.depth, r.checksum, r.parent) for r in store.l3.records()}
+
+
+@pytest.mark.parametrize("seed,moved_aside", [(0, True), (1, True), (2, False), (3, False),
+                                              (4, True), (5, False), (6, True), (7, False)])
+def test_a_randomly_damaged_l3_index_is_moved_aside_or_serves_exactly_its_intact_records(
+        make_store, layout, l3_dir, seed, moved_aside):
+    """50 seeded byte flips anywhere in the index: the store always starts. The same bytes always
+    give the same verdict: either the index is found damaged (moved aside once, counted with the
+    blocks it listed, L3 empty, every lookup a miss) or it serves, and then exactly the blocks whose
+    records survived intact hit, with their bytes, up to the first damaged one of each chain; a
+    record that parses but was changed fails its checksum (a counted miss). Either way the L3 then
+    takes new blocks that a restart finds."""
     import random
 
     store = make_store(l1=4, l2=0, l3=64)
     prompts = [prompt(80 + i, 4, layout) for i in range(6)]
     for p in prompts:
-        save_prompt(store, p)
-    listed = store.l3.used
+        save_prompt(store, p)      # the first five reach L3, the last stays in L1 (lost at close)
+    chains = [store.hash(p) for p in prompts]
+    listed = l3_records(store)
+    assert set(listed) == {k for keys in chains[:5] for k in keys}
     store.close()
     index = l3_dir / "index" / "data.mdb"
     rng = random.Random(seed)
@@ -489,22 +556,34 @@ def test_a_randomly_damaged_l3_index_is_moved_aside_or_serves_only_correct_bytes
         flip(index, off)
     again = make_store(l1=4, l2=0, l3=64)
     failures = again.stats()["failures"]
+    dropped_at_open = again.stats()["corrupt"].get("l3", 0)
     aside = sorted(l3_dir.glob("damaged-*"))
-    if aside:
+    assert bool(aside) == moved_aside
+    now = l3_records(again)
+    intact = {k for k in listed if now.get(k) == listed[k]}
+    changed = {k for k in listed if k in now and now[k] != listed[k]}
+    if moved_aside:
         assert len(aside) == 1 and sorted(os.listdir(aside[0])) == ["index", "slots.bin"]
-        assert list(failures) == ["l3_damaged_index"] and failures["l3_damaged_index"] in (0, listed)
-        assert again.l3.used == 0
+        assert list(failures) == ["l3_damaged_index"] and failures["l3_damaged_index"] in (0, len(listed))
+        assert again.l3.used == 0 and not now
     else:
         assert set(failures) <= {"l3_corrupt"}  # records that cannot be read are dropped at open
-    for p in prompts:
-        m = again.lookup(p)
-        assert not aside or L3 not in m.tiers
+        assert len(intact) >= len(listed) - 2   # 50 flips in a mostly empty file touch few records
+    read_bad = 0
+    for keys in chains:
+        m = again.lookup_keys(keys)
+        assert m.num_blocks == leading(keys, lambda k: k in now)
+        assert not aside or m.num_blocks == 0
         dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in m.to_load]
         result = again.load(m, dst).wait(30)
+        assert result.num_ok == leading(keys[: m.num_blocks], lambda k: k in intact)
+        assert result.ok == [k in intact for k in keys[: m.num_blocks]]
+        read_bad += sum(k in changed for k in keys[: m.num_blocks])
         for j, i in enumerate(m.to_load):
             if result.ok[i]:
-                assert same_bytes(dst[j], block_for(m.keys[i], layout))
+                assert same_bytes(dst[j], block_for(keys[i], layout))
         again.release(m)
+    assert again.stats()["corrupt"].get("l3", 0) == dropped_at_open + read_bad  # each failed read counted
     fresh = prompt(180 + seed, 4, layout)
     save_prompt(again, fresh)
     assert again.persist(again.hash(fresh)) == 4
