@@ -1,4 +1,4 @@
-"""The Triton kernels compile for a real GPU target (sm_90) on a machine without one.
+"""Every Triton kernel (attention, write_kv, gather/scatter) compiles for sm_90 on a machine without a GPU.
 
 The interpreter tests check the arithmetic but run Python, not the compiler:
 a construct the compiler rejects (an early return inside a loop, a dtype
@@ -21,6 +21,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 from triton.compiler import compile as triton_compile  # noqa: E402
 
+from tierkv.kernels import gather_scatter as tgs  # noqa: E402
 from tierkv.kernels import triton_paged_attention as tpa  # noqa: E402
 from tierkv.kernels import triton_write_kv as twk  # noqa: E402
 
@@ -124,3 +125,21 @@ def test_write_kv_compiles_for_sm90(monkeypatch, dtype):
         monkeypatch, twk, ["_write_kv_kernel"], lambda: twk.write_kv(pool, 1, kv[:, 0], kv[:, 1], slots)
     )
     assert compiled["_write_kv_kernel"].asm["cubin"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gather_and_scatter_compile_for_sm90(monkeypatch, dtype):
+    # A vLLM CUDA-style cache: each token's row is [K | V] per head, seen as [L, nb, 2, B, Hkv, D].
+    raw = torch.zeros(2, 6, 16, 8, 2, 128, dtype=dtype)
+    kv = raw.permute(0, 1, 4, 2, 3, 5)
+    blocks = torch.zeros(3, 2, 2, 16, 8, 128, dtype=dtype)
+    ids = torch.tensor([4, 1, 5], dtype=torch.int64)
+    ptx = {}
+    for name, launch in (("gather", tgs.gather_blocks), ("scatter", tgs.scatter_blocks)):
+        with monkeypatch.context() as m:
+            compiled = _compile_recorded(m, tgs, ["_block_copy_kernel"], lambda: launch(kv, ids, blocks))
+        kernel = compiled["_block_copy_kernel"]
+        assert kernel.asm["cubin"], name
+        ptx[name] = kernel.asm["ptx"]
+    # The SCATTER constexpr selects the direction, so the two kernels are different code.
+    assert ptx["gather"] != ptx["scatter"]
