@@ -598,49 +598,108 @@ def test_a_randomly_damaged_l3_index_is_moved_aside_or_serves_exactly_its_intact
     assert sorted(l3_dir.glob("damaged-*")) == aside
 
 
-def test_a_lookup_racing_an_eviction_reports_only_tiers_its_blocks_are_in(make_store, layout):
-    """Whatever happens between the store's lock sections, a Match never names a tier its block left."""
-    store = make_store(l1=4, l2=4, l3=16)
-    tokens = prompt(90, 4, layout)
-    save_prompt(store, tokens)
-    real = store._lock
-    moves = []
+def dead_l4_url() -> str:
+    """A Redis URL nobody listens on: the store takes its L4 path, every probe a quick miss."""
+    import socket
 
-    class EvictOnFirstRelease:
-        """The store's lock; the first time it is released, another engine grabs all of L1."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"redis://127.0.0.1:{sock.getsockname()[1]}/0"
 
-        def __enter__(self):
-            real.acquire()
 
-        def __exit__(self, *exc):
-            real.release()
-            if not moves:
-                moves.append([])
-                try:
-                    moves[0] = store.allocate(4)  # evicts the prompt's blocks unless they are pinned
-                except OutOfBlocks:
-                    pass
+class RaceBetweenLockSections:
+    """Stands in for the store's lock; the first time a lookup leaves a lock section, ``race`` runs
+    (another engine, between that section and the lookup's next one). Records that the lookup took
+    the lock again afterwards, so a test knows the race landed inside the lookup."""
 
-        def acquire(self, *a, **k):
-            return real.acquire(*a, **k)
+    def __init__(self, store, race) -> None:
+        self.real, self.race = store._lock, race
+        self.raced = False
+        self.sections_after = 0
 
-        def release(self):
-            real.release()
+    def __enter__(self):
+        self.real.acquire()
+        if self.raced:
+            self.sections_after += 1
 
-    store._lock = EvictOnFirstRelease()
+    def __exit__(self, *exc):
+        self.real.release()
+        if not self.raced:
+            self.raced = True
+            self.race()
+
+    def acquire(self, *a, **k):
+        return self.real.acquire(*a, **k)
+
+    def release(self):
+        self.real.release()
+
+
+def test_a_lookup_racing_an_eviction_keeps_its_pinned_prefix_and_reports_current_tiers(make_store, layout):
+    """With an L4 a lookup leaves the lock while it asks the pool. Another engine then fills L1:
+    the unpinned blocks are evicted, the lookup's local prefix (pinned) is not, and the Match
+    names only tiers its blocks are in."""
+    from tierkv.config import L4Config
+
+    store = make_store(l1=8, l2=8, l3=16, l4=L4Config(url=dead_l4_url(), timeout_ms=200))
+    tokens = prompt(90, 6, layout)            # 4 blocks cached locally, 2 only asked of L4
+    keys = store.hash(tokens)
+    save_prompt(store, tokens[: 4 * layout.block_size])
+    other = save_prompt(store, prompt(91, 4, layout))
+    assert store.lookup_keys(keys, pin=False).tiers == [L1] * 4
+    taken = []
+
+    def another_engine_takes_l1():
+        taken.extend(store.allocate(4))       # only the other prompt's 4 blocks can go
+        with pytest.raises(OutOfBlocks):
+            store.allocate(1)                 # the lookup's prefix is pinned meanwhile
+
+    race = RaceBetweenLockSections(store, another_engine_takes_l1)
+    store._lock = race
     m = store.lookup(tokens)
-    store._lock = real
-    assert moves, "the lookup never released the lock"
-    assert len(m.entries) == m.num_blocks
+    store._lock = race.real
+    assert race.raced and race.sections_after >= 1, "the race did not land inside the lookup"
+    assert len(taken) == 4 and store.stats()["evictions"]["l1"] == 4
+    assert store.lookup_keys(other, pin=False).tiers == [L2] * 4   # evicted down, not lost
+    assert m.tiers == [L1] * 4 and len(m.entries) == 4
     for tier, entry in zip(m.tiers, m.entries):
         assert entry is not None and entry.in_tier(tier), (tier, entry)
-    dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in m.to_load]
-    result = store.load(m, dst).wait(30)
-    for j, i in enumerate(m.to_load):
-        if result.ok[i]:
-            assert same_bytes(dst[j], block_for(m.keys[i], layout))
     for i, slot in enumerate(m.l1_slots()):
-        if slot is not None:
-            assert same_bytes(store.l1.block(slot), block_for(m.keys[i], layout))
+        assert same_bytes(store.l1.block(slot), block_for(keys[i], layout))
     store.release(m)
-    store.free(moves[0])
+    store.free(taken)
+
+
+def test_a_lookup_racing_a_load_names_the_tier_the_block_moved_to(make_store, layout):
+    """Between the lookup's lock sections another request loads the prefix from L2 into L1: the
+    lookup matches again and reports L1, where the block is now, not the L2 it saw first."""
+    from tierkv.config import L4Config
+
+    store = make_store(l1=4, l2=8, l3=16, l4=L4Config(url=dead_l4_url(), timeout_ms=200))
+    tokens = prompt(92, 6, layout)
+    keys = store.hash(tokens)
+    save_prompt(store, tokens[: 4 * layout.block_size])
+    save_prompt(store, prompt(93, 4, layout))   # pushes the prefix down to L2
+    assert store.lookup_keys(keys, pin=False).tiers == [L2] * 4
+    seen = []
+
+    def another_request_loads_it():
+        m2 = store.lookup_keys(keys[:4])
+        slots, result = load_into_l1(store, m2)
+        seen.append((m2.tiers, result.num_ok))
+        store.release(m2)
+
+    race = RaceBetweenLockSections(store, another_request_loads_it)
+    store._lock = race
+    m = store.lookup(tokens)
+    store._lock = race.real
+    assert race.raced and race.sections_after >= 1, "the race did not land inside the lookup"
+    assert seen == [([L2] * 4, 4)]
+    assert m.tiers == [L1] * 4
+    for tier, entry in zip(m.tiers, m.entries):
+        assert entry.in_tier(tier)
+    dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in m.to_load]
+    assert store.load(m, dst).wait(30).num_ok == 4
+    for i, slot in enumerate(m.l1_slots()):
+        assert same_bytes(store.l1.block(slot), block_for(keys[i], layout))
+    store.release(m)
