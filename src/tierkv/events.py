@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 log = logging.getLogger("tierkv")
@@ -26,6 +27,7 @@ TierListener = Callable[[list[tuple[bytes, int]], list[tuple[bytes, int]]], None
 """``listener(stored, removed)``: lists of ``(block key, tier)`` with ``tier`` a ``tierkv.index.Tier``."""
 
 _STORED, _REMOVED = True, False
+_COALESCE_S = 0.002  # how long the delivery thread lets a batch fill after its first event
 
 
 class TierEvents:
@@ -86,8 +88,10 @@ class TierEvents:
         with self._cond:
             before = self._pending.get(item)
             if before is None:
+                wake = not self._pending  # one wake-up per batch, not per block
                 self._pending[item] = kind
-                self._cond.notify()
+                if wake:
+                    self._cond.notify()
             elif before != kind:  # stored then removed (or removed then stored) in one batch: no change
                 del self._pending[item]
 
@@ -111,6 +115,12 @@ class TierEvents:
                 self._cond.wait_for(lambda: self._pending or self._closed)
                 if not self._pending and self._closed:
                     return
+                closed = self._closed
+            if not closed:
+                # Let the rest of a burst (a save of many blocks, an eviction run) join this batch:
+                # waking per block costs the saving thread the GIL and this lock once per block.
+                time.sleep(_COALESCE_S)
+            with self._cond:
                 batch, self._pending = self._pending, {}
                 self._delivering = True
                 listeners = self._listeners
