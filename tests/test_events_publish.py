@@ -178,7 +178,14 @@ def test_a_restarted_publisher_is_a_new_instance_and_the_subscriber_follows_it(p
     assert pub.flush() and sub.wait_for(pub.last_seq)
     first = pub.instance_id
     pub.close()
-    again = publisher(endpoint=endpoint, replay_endpoint=replay)
+    deadline = time.monotonic() + 10
+    while True:  # ZMQ unbinds a closed socket on its I/O thread, a moment later
+        try:
+            again = publisher(endpoint=endpoint, replay_endpoint=replay)
+            break
+        except OSError:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
     assert again.instance_id != first
     again.on_tier_change([(b"only", 2)], [])
     assert again.flush()

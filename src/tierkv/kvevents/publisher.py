@@ -87,11 +87,16 @@ class KVEventPublisher:
         self.topic = f"{cfg.topic}@{self.instance_id}".encode()
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
-        self._pub.set_hwm(cfg.hwm)
-        self._pub.bind(cfg.endpoint)
         self._replay = self._ctx.socket(zmq.ROUTER)
-        self._replay.setsockopt(zmq.SNDHWM, cfg.ring_batches + 2)  # a ROUTER drops what passes its HWM
-        self._replay.bind(cfg.replay_endpoint)
+        try:
+            self._pub.set_hwm(cfg.hwm)
+            self._pub.bind(cfg.endpoint)
+            self._replay.setsockopt(zmq.SNDHWM, cfg.ring_batches + 2)  # a ROUTER drops what passes its HWM
+            self._replay.bind(cfg.replay_endpoint)
+        except zmq.ZMQError as exc:
+            self._pub.close(linger=0)
+            self._replay.close(linger=0)
+            raise OSError(f"events: cannot bind {cfg.endpoint} / {cfg.replay_endpoint}: {exc}") from exc
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
         wake = f"inproc://tierkv-kv-events-{self.instance_id}"
