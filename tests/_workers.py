@@ -139,8 +139,15 @@ def crash_writer(path: str, trial: int, capacity: int, progress) -> None:
 
 # -- two processes on one L3 --------------------------------------------------------
 
-def l3_mixed(path: str, worker: int, seconds: float, universe: int, num_blocks: int, out_file: str) -> None:
-    """Look up, load, verify and save random prompts of a shared universe for ``seconds``."""
+def l3_mixed(path: str, worker: int, lookups: int, universe: int, num_blocks: int, out_file: str,
+             start, done) -> None:
+    """Look up, load, verify and save random prompts of a shared universe, alongside another worker.
+
+    Both workers begin together (``start``, a barrier) and each sets its ``done[worker - 1]`` event
+    once it has made ``lookups`` lookups and hit a block the other one wrote; each keeps going
+    until both are done, so the two run concurrently from the first lookup to the last. A 300 s
+    safety stop only keeps a broken store from hanging the test (whose assertions then fail).
+    """
     from tierkv.store import TierKVStore
 
     rng = random.Random(worker)
@@ -148,8 +155,9 @@ def l3_mixed(path: str, worker: int, seconds: float, universe: int, num_blocks: 
     counts = {"lookups": 0, "loaded": 0, "wrong": 0, "saved": 0, "l3_loaded": 0, "foreign": 0}
     mine: set[int] = set()  # prompts this worker saved; hits on others were written by the other process
     with TierKVStore(cfg, LAYOUT, l1_blocks=2 * num_blocks) as store:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
+        start.wait(120)
+        safety = time.monotonic() + 300
+        while not all(event.is_set() for event in done) and time.monotonic() < safety:
             seed = rng.randrange(universe)
             tokens = prompt(seed, num_blocks, LAYOUT)
             m = store.lookup(tokens)
@@ -173,6 +181,8 @@ def l3_mixed(path: str, worker: int, seconds: float, universe: int, num_blocks: 
             counts["foreign"] += seed not in mine and result.num_ok > 0
             mine.add(seed)
             store.release(m)
+            if counts["lookups"] >= lookups and counts["foreign"] > 0:
+                done[worker - 1].set()
         counts["stats"] = store.stats()
     Path(out_file).write_text(json.dumps(counts))
 

@@ -202,27 +202,37 @@ def test_redis_reports_each_value_as_it_lands_and_the_tier_checks_it_then(redis_
         tier.close()
 
 
-def test_a_hung_mooncake_node_ends_a_direct_get_in_bounded_time(mooncake_pool):
+def test_a_hung_mooncake_node_ends_a_direct_get_while_it_is_still_hung(mooncake_pool):
     # SIGSTOP the process holding the pool's memory: the transfer stalls mid-call. The direct get
-    # must return (Mooncake's own progress timeout, set from l4.timeout_ms) with False, and after
-    # it returned nothing may land in the block any more.
+    # must return (Mooncake's own progress timeout, set from l4.timeout_ms) with False while the
+    # node is still stopped, and nothing may land in the block after it returned, even once the
+    # node runs again and serves the same values.
     tier = tier_for(mooncake_pool.url, timeout_ms=500, breaker_failures=100)
-    dst = pool_tensor(4)
+    dst, probe = pool_tensor(4), pool_tensor(4)
     tier.register(dst)
+    tier.register(probe)
     try:
         keys = [key_of("hang", i) for i in range(4)]
         assert tier.put(keys, [block_for(k, LAYOUT) for k in keys]) == [True] * 4
         mooncake_pool.pool.pause()
+        got: list = []
+        call = threading.Thread(target=lambda: got.append(tier.get(keys, list(dst))), daemon=True)
         try:
-            t0 = time.monotonic()
-            assert tier.get(keys, list(dst)) == [False] * 4
-            assert time.monotonic() - t0 < 30
+            call.start()
+            call.join(120)  # generous; the point is that it returns while the node is stopped
+            assert not call.is_alive(), "the get waited for the hung node"
+            assert got == [[False] * 4]
             dst.view(torch.int16).fill_(7)
             after = dst.clone()
-            time.sleep(1.0)
         finally:
             mooncake_pool.pool.resume()
-        time.sleep(1.0)
+        # The node runs again: wait until it serves these values (a late transfer of the old
+        # call would have landed by then), then check the old destination was left alone.
+        deadline = time.monotonic() + 120
+        while tier.get(keys, list(probe)) != [True] * 4:
+            assert time.monotonic() < deadline, f"the node never served again: {tier.stats()}"
+            time.sleep(0.1)
+        assert all(same_bytes(probe[i], block_for(k, LAYOUT)) for i, k in enumerate(keys))
         assert torch.equal(dst.view(torch.int16), after.view(torch.int16)), "a late transfer wrote into the block"
     finally:
         tier.close()

@@ -19,7 +19,7 @@ from tierkv.layout import KVLayout
 from tierkv.store import TierKVStore
 from tierkv.tiers.remote.codec import TRAILER_BYTES, ValueCodec
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(params=["redis", "mooncake"])
@@ -53,7 +53,7 @@ def drain(store: TierKVStore) -> None:
     store.transfer.io(lambda: None).result(timeout=60)
 
 
-def wait_healthy(store: TierKVStore, timeout: float = 20.0) -> None:
+def wait_healthy(store: TierKVStore, timeout: float = 60.0) -> None:
     """Until the pool takes a value again: after a restart, the first calls may fail or time out."""
     deadline = time.monotonic() + timeout
     probe = [torch.zeros(store.layout.block_shape, dtype=store.layout.torch_dtype)]
@@ -61,6 +61,14 @@ def wait_healthy(store: TierKVStore, timeout: float = 20.0) -> None:
         assert time.monotonic() < deadline, f"L4 did not come back: {store.l4.stats()}"
         time.sleep(0.2)
     store.l4.remove([bytes(16)])
+
+
+def wait_for_a_call(store: TierKVStore, calls: int) -> None:
+    """Until the L4 tier has started a call past the first ``calls`` (counted as it begins)."""
+    deadline = time.monotonic() + 60
+    while store.stats()["l4"]["calls"] <= calls:
+        assert time.monotonic() < deadline, "no L4 call started"
+        time.sleep(0.01)
 
 
 def push_to_l4(store: TierKVStore, keys: list[bytes], layout: KVLayout) -> None:
@@ -127,7 +135,7 @@ def test_server_killed_mid_run_is_misses_then_hits_resume(pool, tmp_path, layout
         # The pool came back empty (no persistence): A saves again, B hits again.
         wait_healthy(a)
         push_to_l4(a, save_prompt(a, prompt(3, 4, layout)), layout)
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60  # generous: polling, not a timing assertion
         tokens3 = prompt(3, 4, layout)
         while b.lookup(tokens3, pin=False).tiers != [Tier.L4] * 4:
             assert time.monotonic() < deadline, "L4 hits did not resume after the restart"
@@ -219,7 +227,7 @@ def test_hung_server_times_out_then_recovers(pool, tmp_path, layout):
             assert s["failed_calls"] >= 2 and s["breaker"] in ("open", "half_open") and s["breaker_opens"] >= 1
         finally:
             pool.resume()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60  # generous: polling, not a timing assertion
         while node.lookup(tokens, pin=False).tiers != [Tier.L4] * 3:
             assert time.monotonic() < deadline, f"L4 did not recover: {node.stats()['l4']}"
             time.sleep(0.5)
@@ -300,8 +308,9 @@ def test_l4_put_queue_is_capped_and_drains_after_a_hang(redis_server, tmp_path, 
 
     extra = 44
     n = L4_MAX_QUEUED + extra
-    # The timeout outlasts the pause: the first put waits for the hung server and then succeeds.
-    node = make_node(tmp_path, "n", layout, redis_server.url, l1=n, timeout_ms=10_000)
+    # The timeout (the largest allowed) outlasts the pause: the first put waits for the hung
+    # server and then succeeds.
+    node = make_node(tmp_path, "n", layout, redis_server.url, l1=n, timeout_ms=60_000)
     try:
         keys = save_prompt(node, prompt(13, n, layout))
         drain(node)  # connected (the save's lookup asked L4), nothing queued
@@ -310,8 +319,8 @@ def test_l4_put_queue_is_capped_and_drains_after_a_hang(redis_server, tmp_path, 
         try:
             assert node.persist(keys, Tier.L4) == L4_MAX_QUEUED  # no exception: the excess is dropped
             marker = node.transfer.io(lambda: None)
-            time.sleep(0.3)
-            assert not marker.done()  # the IO thread is stuck on the first put
+            wait_for_a_call(node, calls)  # the IO thread is inside the first put, on the hung server
+            assert not marker.done()  # stuck there: nothing behind it has run
             s = node.stats()
             assert s["failures"] == {"l4_put_dropped": extra} and s["bytes"].get("l4_write", 0) == 0
         finally:
@@ -335,15 +344,17 @@ def test_l4_put_queue_is_capped_and_drains_after_a_hang(redis_server, tmp_path, 
 def test_a_hung_pool_never_blocks_other_store_calls(redis_server, tmp_path, layout):
     import threading
 
-    node = make_node(tmp_path, "n", layout, redis_server.url, timeout_ms=3000)
+    node = make_node(tmp_path, "n", layout, redis_server.url, timeout_ms=60_000)
     try:
         tokens = prompt(9, 2, layout)
         keys = save_prompt(node, prompt(10, 2, layout))
+        drain(node)
+        calls = node.stats()["l4"]["calls"]
         redis_server.pause()
         try:
             waiting = threading.Thread(target=node.lookup, args=(tokens,), kwargs={"pin": False})
             waiting.start()
-            time.sleep(0.3)  # the lookup now waits on the hung pool (for up to 3 s)
+            wait_for_a_call(node, calls)  # the lookup now waits on the hung pool (for up to 60 s)
             # The store lock is free meanwhile: other lookups, allocations and stats go on.
             assert node.lookup_keys(keys, pin=False).tiers == [Tier.L1] * 2
             node.free(node.allocate(1))
@@ -351,7 +362,7 @@ def test_a_hung_pool_never_blocks_other_store_calls(redis_server, tmp_path, layo
             assert waiting.is_alive()
         finally:
             redis_server.resume()
-        waiting.join(30)
+        waiting.join(120)
         assert not waiting.is_alive()
     finally:
         node.close()
