@@ -6,44 +6,11 @@ import pytest
 import torch
 
 from tierkv.engine.checkpoint import write_checkpoint
-from tierkv.engine.kv_cache import KVCacheManager
 from tierkv.engine.loader import weight_files
-from tierkv.engine.scheduler import Scheduled
-from tierkv.engine.sequence import Sequence
 
-from engine_helpers import GREEDY, prompts
+from engine_helpers import engine_logits, hf_logits, prompts
 
 transformers = pytest.importorskip("transformers")
-
-
-def engine_logits(llm, batch_prompts: list[list[int]], steps: int) -> tuple[list[torch.Tensor], list[list[int]]]:
-    """Per prompt, logits of every prompt position then of ``steps`` greedy decode steps (all
-    prompts in one batch), and each prompt's tokens after those steps."""
-    kv = KVCacheManager(llm.store, enable_cache=False)
-    seqs = [Sequence(p, GREEDY, None, 10_000) for p in batch_prompts]
-    for seq in seqs:
-        assert kv.admit(seq)
-    rows: list[list[torch.Tensor]] = [[] for _ in seqs]
-    batch = [Scheduled(s, s.num_tokens) for s in seqs]
-    for step in range(steps + 1):
-        logits = llm.runner.logits(batch)
-        starts = [0]
-        for item in batch:
-            starts.append(starts[-1] + item.num_tokens)
-        for i, item in enumerate(batch):
-            rows[i].append(logits[starts[i]:starts[i + 1]])
-            item.seq.num_computed += item.num_tokens
-            item.seq.token_ids.append(int(logits[starts[i + 1] - 1].argmax()))
-            assert kv.ensure_slots(item.seq, item.seq.num_tokens)
-        batch = [Scheduled(s, 1) for s in seqs]
-    for seq in seqs:
-        kv.release(seq)
-    return [torch.cat(r) for r in rows], [s.token_ids for s in seqs]
-
-
-def hf_logits(model, token_ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([token_ids])).logits[0]
 
 
 @pytest.mark.parametrize("variant", ["gqa", "llama3_tied_sharded"])

@@ -17,7 +17,7 @@ from tierkv.engine.checkpoint import make_config, random_weights  # noqa: E402
 from tierkv.models import resolve_model  # noqa: E402
 from tierkv.models.gguf_convert import GGUFError, SUPPORTED_TYPES, convert_gguf  # noqa: E402
 
-gguf = pytest.importorskip("gguf", reason="`gguf` is part of tierkv[model]: make setup installs it")
+import gguf  # noqa: E402  (tierkv[model]; make setup installs it: a missing one fails, never skips)
 
 
 @pytest.fixture(scope="module")
