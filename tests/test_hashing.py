@@ -161,9 +161,38 @@ def test_native_sha256_chain_equals_the_python_chain():
     assert native.hash_blocks([1, 2, 3], 16, seed) == []
 
 
-def test_native_code_can_be_turned_off(monkeypatch):
-    """TIERKV_NATIVE=0 keeps every path in Python (same keys)."""
-    from tierkv import native
+_NATIVE_PROBE = """
+import hashlib, json, torch
+from tierkv import sha256_chain
+from tierkv.hashing import BlockHasher
+from tierkv.kernels import cpu_block_copy, gather_blocks
+h = BlockHasher("sha256")
+keys = h.hash_blocks(list(range(1000)), 16, h.seed("m", "r", "fp", "ns"))
+raw = torch.arange(2 * 6 * 4 * 2 * 2 * 8, dtype=torch.int16).view(torch.float16).view(2, 6, 4, 2, 2, 8)
+kv = raw.permute(0, 1, 4, 2, 3, 5)  # [L, nb, 2, B, Hkv, D] through strides, as vLLM's caches
+blocks = torch.empty(3, 2, 2, 4, 2, 8, dtype=torch.float16)
+gather_blocks(kv, torch.tensor([5, 0, 3]), blocks)
+print(json.dumps({"keys": [k.hex() for k in keys], "blocks": hashlib.sha256(blocks.view(torch.int16).numpy().tobytes()).hexdigest(),
+                  "native": [sha256_chain.available(), cpu_block_copy.library() is not None]}))
+"""
 
-    monkeypatch.setenv("TIERKV_NATIVE", "0")
-    assert native.load("never_built", "int f(void) { return 0; }") is None
+
+def test_native_code_can_be_turned_off_and_gives_the_same_keys_and_bytes(tmp_path):
+    """TIERKV_NATIVE=0: nothing is built, sha256 chains and CPU block gathers run in Python /
+    torch, and they give exactly the keys and bytes the native loops give."""
+    out = {}
+    for flag in ("0", "1"):
+        cache = tmp_path / f"cache{flag}"
+        env = {**os.environ, "TIERKV_NATIVE": flag, "TIERKV_CACHE_DIR": str(cache)}
+        proc = subprocess.run([sys.executable, "-c", _NATIVE_PROBE], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        out[flag] = json.loads(proc.stdout.strip().splitlines()[-1])
+        built = sorted(p.name.split("-")[0] for p in (cache / "native").glob("*.so"))
+        assert built == ([] if flag == "0" else ["block_copy", "sha256_chain"]), built
+    assert out["0"]["native"] == [False, False] and out["1"]["native"] == [True, True]
+    assert out["0"]["keys"] == out["1"]["keys"] and len(out["0"]["keys"]) == 62
+    assert out["0"]["blocks"] == out["1"]["blocks"]
+    # and the keys are sha256's chain, as written in docs/design.md §3
+    assert out["0"]["keys"] == [k.hex() for k in BlockHasher("sha256").hash_blocks(
+        list(range(1000)), 16, BlockHasher("sha256").seed("m", "r", "fp", "ns"))]

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from pathlib import Path
 
 import pytest
 from cli_helpers import LAYOUT, cache, populate, run_tierkv  # noqa: F401  (fixtures)
@@ -160,7 +161,27 @@ def test_bench_inline_measures_l2_and_l3(cache, blocks):
     assert r.code == 0, r.err
     rows = r.json()["rows"]
     assert [(x["tier"].split()[0], x["op"]) for x in rows] == [("l2", "write"), ("l2", "read"), ("l3", "write"), ("l3", "read")]
-    assert all(x["gb_per_s"] > 0 for x in rows)
+    block_bytes = 16 * 2 * 16 * 8 * 128 * 2  # the inline bench's layout: 16 layers, 8 KV heads of 128, fp16
+    for x in rows:
+        assert x["blocks"] == blocks and x["block_bytes"] == block_bytes
+        # Both figures come from one timing, and the bench checked every flag and the bytes it read back.
+        assert x["gb_per_s"] == pytest.approx(block_bytes / x["us_per_block"] / 1e3, rel=0.02, abs=0.002)
+
+
+@pytest.mark.slow
+def test_bench_runs_the_checkouts_tier_benchmark(tmp_path):
+    """Without --inline, in a checkout, `tierkv bench` is bench/tiers.py --quick (which verifies
+    every block it reads) with its JSON passed through."""
+    cache = tmp_path / "cache"
+    r = run_tierkv("bench", "--json", "--cache-dir", str(cache), timeout=600)
+    assert r.code == 0, r.err
+    data = r.json()
+    assert data["bench"] == "tiers" and data["rounds"] == 11  # the --quick run
+    assert data["targets"] and {t["metric"] for t in data["targets"]} <= set(data)
+    for t in data["targets"]:
+        assert data[t["metric"]] == t["value"]
+        assert t["ok"] == (t["value"] >= t["bound"] if t["op"] == ">=" else t["value"] <= t["bound"])
+    assert cache.is_dir() and not list(cache.glob("tierkv-bench-*"))  # its work directory is gone
 
 
 @pytest.mark.redis
@@ -191,20 +212,20 @@ def test_info_probes_a_real_l4_pool(cache, tmp_path):
 
 
 def test_info_reports_rdma_devices_or_why_none(cache, tmp_path):
-    from tierkv.tiers.remote import rdma
-
-    report = rdma.detect()  # same interpreter and environment as the command below
+    # The kernel's own list is the ground truth: /sys/class/infiniband/<dev>/ports/<n>/state.
+    sysfs = Path("/sys/class/infiniband")
+    names = sorted(d.name for d in sysfs.iterdir()) if sysfs.is_dir() else []
+    active = [n for n in names
+              if any("ACTIVE" in (p / "state").read_text() for p in (sysfs / n / "ports").iterdir())]
     r = run_tierkv("info", "--cache-dir", str(cache))
     assert r.code == 0, r.err
-    if report.usable:
-        assert f"rdma: {', '.join(report.usable)} usable (via {report.source})" in r.out
-        for dev in report.devices:
-            assert f"rdma device {dev.name} port 1:" in r.out
-    else:
-        assert f"rdma: none usable, {report.reason}; Mooncake L4 falls back to TCP" in r.out, r.out
     info = run_tierkv("info", "--json", "--cache-dir", str(cache)).json()["rdma"]
-    assert info["usable"] == report.usable and info["reason"] == report.reason
-    assert [d["name"] for d in info["devices"]] == [d.name for d in report.devices]
+    assert sorted(d["name"] for d in info["devices"]) == names and info["usable"] == active
+    if active:
+        assert f"rdma: {', '.join(active)} usable (via " in r.out
+    else:
+        assert re.search(r"^rdma: none usable, .+; Mooncake L4 falls back to TCP$", r.out, re.M), r.out
+        assert info["reason"]
     # pyverbs that cannot be imported (a shadow package that raises): still exit 0, the reason says so.
     shadow = tmp_path / "shadow" / "pyverbs"
     shadow.mkdir(parents=True)
@@ -214,3 +235,60 @@ def test_info_reports_rdma_devices_or_why_none(cache, tmp_path):
     assert r.code == 0, r.err
     assert re.search(r"rdma: none usable, pyverbs not importable \(no verbs here\).*; Mooncake L4 falls back to TCP",
                      r.out), r.out
+
+
+FAKE_PYVERBS = """
+class _Attr:
+    phys_port_cnt = 2
+
+
+class _Port:
+    def __init__(self, num):
+        self.state, self.link_layer, self.gid_tbl_len = (4, 2, 2) if num == 1 else (1, 1, 0)
+
+
+class Context:
+    def __init__(self, name):
+        self.name = name
+
+    def query_device(self):
+        return _Attr()
+
+    def query_port(self, num):
+        return _Port(num)
+
+    def query_gid(self, port, idx):
+        if idx == 0:
+            return "fe80:0000:0000:0000:0000:0000:0000:0001"
+        raise OSError("unpopulated")
+
+    def close(self):
+        pass
+
+
+class _Dev:
+    name = b"mlx5_7"
+
+
+def get_device_list():
+    return [_Dev()]
+"""
+
+
+def test_info_shows_an_rdma_device_with_an_active_port(cache, tmp_path):
+    # A stand-in for the pyverbs library (the kernel side we cannot have here): one device,
+    # port 1 active on Ethernet (RoCE) with a GID, port 2 down.
+    pkg = tmp_path / "verbs" / "pyverbs"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "device.py").write_text(FAKE_PYVERBS)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [str(pkg.parent), os.environ.get("PYTHONPATH")]))}
+    r = run_tierkv("info", "--cache-dir", str(cache), env=env)
+    assert r.code == 0, r.err
+    lines = r.out.splitlines()
+    assert "rdma device mlx5_7 port 1: active (ethernet), GIDs fe80:0000:0000:0000:0000:0000:0000:0001" in lines
+    assert "rdma device mlx5_7 port 2: down (infiniband), no GID" in lines
+    assert "rdma: mlx5_7 usable (via pyverbs); Mooncake L4 uses RDMA on them (protocol=auto)" in lines
+    info = run_tierkv("info", "--json", "--cache-dir", str(cache), env=env).json()["rdma"]
+    assert info["usable"] == ["mlx5_7"] and info["reason"] == "" and info["source"] == "pyverbs"
+    assert [p["state"] for p in info["devices"][0]["ports"]] == ["active", "down"]

@@ -30,8 +30,6 @@ def test_checkpoint_cli_is_seeded_and_shards(tmp_path, capsys):
 
 
 def test_loader_names_what_is_missing(tmp_path, tiny_dir):
-    from tierkv.engine.loader import load_model
-
     with pytest.raises(FileNotFoundError, match="config.json"):
         read_config(tmp_path)
     shutil.copy(tiny_dir / "config.json", tmp_path / "config.json")
@@ -40,7 +38,31 @@ def test_loader_names_what_is_missing(tmp_path, tiny_dir):
     (tmp_path / "config.json").write_text((tiny_dir / "config.json").read_text().replace('"llama"', '"gpt2"'))
     with pytest.raises(ValueError, match="model_type"):
         read_config(tmp_path)
-    assert load_model  # imported without side effects
+
+
+def test_load_model_fuses_the_checkpoint_and_names_a_missing_weight(tmp_path, tiny_dir):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from tierkv.engine.loader import load_model
+
+    tensors = load_file(str(tiny_dir / "model.safetensors"))
+    model = load_model(tiny_dir, torch.float32, torch.device("cpu"))
+    params = dict(model.named_parameters())
+    attn = "model.layers.1.self_attn."
+    # Hugging Face's separate q/k/v and gate/up are the engine's fused matrices, in that order.
+    assert torch.equal(params["layers.1.self_attn.qkv_proj.weight"],
+                       torch.cat([tensors[attn + p + "_proj.weight"] for p in "qkv"]))
+    assert torch.equal(params["layers.1.mlp.gate_up_proj.weight"],
+                       torch.cat([tensors[f"model.layers.1.mlp.{p}_proj.weight"] for p in ("gate", "up")]))
+    assert torch.equal(params["embed_tokens.weight"], tensors["model.embed_tokens.weight"])
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    shutil.copy(tiny_dir / "config.json", broken / "config.json")
+    del tensors["model.layers.1.mlp.down_proj.weight"]
+    save_file(tensors, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"^model_dir: checkpoint lacks \['layers\.1\.mlp\.down_proj\.weight'\]"):
+        load_model(broken, torch.float32, torch.device("cpu"))
 
 
 def test_tokenizer_json_is_used_when_present(tmp_path, tiny_dir, make_llm):
