@@ -120,7 +120,12 @@ def test_command_line_writes_json_table_and_plot(tmp_path):
          "--policy", "lru,cost_aware,belady", "--tiers", "l1=2,l2=4", "--json", str(out), "--plot", str(png)],
         capture_output=True, text=True, timeout=120, check=True)
     data = json.loads(out.read_text())
-    assert data["accesses_per_s"] > 0
+    res = data["results"]
+    assert data["accesses_per_s"] == pytest.approx(sum(r["accesses"] for r in res) / sum(r["seconds"] for r in res))
+    requests = replay_tool.load_trace(trace)
+    for r in res:  # the command line's figures are the library's, for the same trace
+        if len(r["tiers"]) == 1:
+            assert r["hit_rate"] == replay_tool.replay(requests, r["policy"], [r["capacity"]]).hit_rate
     single = [(r["policy"], r["capacity"]) for r in data["results"] if len(r["tiers"]) == 1]
     assert single == [("lru", 2), ("lru", 3), ("cost_aware", 2), ("cost_aware", 3), ("belady", 2), ("belady", 3)]
     rows = {(r["policy"], r["capacity"]): r for r in data["results"] if len(r["tiers"]) == 1}
