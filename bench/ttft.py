@@ -1,26 +1,31 @@
-"""Time to first token by tier of the cached prefix, against copy floors, and the cost of a miss.
+"""Time to first token by tier of the cached prefix, against a copy floor built from the engine, and the cost of a miss.
 
-For each prompt length (small preset, block size 16, fp32 unless --dtype, one thread unless --threads):
-cold_ms      a never-seen prompt, store enabled and empty (prefill of everything)
-l1_ms        the same prompt again: all of it in L1 but the last block (recomputed for its logits)
-l2_ms        the same prompt with its prefix only in L2 (L1 flushed, demoted by write-back)
-l3_ms        the same prompt with its prefix only in L3 (an engine whose L1 flushes straight to disk)
-             (l1/l2/l3: min over reps, L1 flushed again before each)
-l2_floor_ms  memmove of the same bytes from the L2 slab into the L1 pool + l1_ms (tail prefill + sample)
-l3_floor_ms  O_DIRECT read of the same bytes from the L3 slot file + l1_ms
-miss_ms      never-seen prompts with the store enabled (lookup, saves, write-back), min over reps
-nocache_ms   never-seen prompts with the store disabled (enable_cache=False), min over reps
-miss_cpu_ms, nocache_cpu_ms  the process CPU time of those requests (a shared host's load moves wall
-             times by more than the 5% being measured; CPU time does not move with it)
-Targets at 4096 tokens: cold/l2 >= 30, cold/l3 >= 10, l2 <= 1.5 x l2_floor, miss <= 1.05 x nocache.
+Model: SmolLM2-135M-Instruct (fp32 unless --dtype; `tierkv.models.pull`), block size 16, one thread unless
+--threads. For each prompt length, every contender runs once per round, rounds alternate the order, and every
+figure is the median over rounds (cold included). Each timed request's ``hit_tokens`` is checked: a hit row
+that was not served from its tier, or a miss that hit, stops the benchmark.
+
+cold_ms       a never-seen prompt, store off (enable_cache=False): prefill of every token
+miss_ms       a never-seen prompt on the store as users run it: L2 (1 GiB) and L3 on, write-back
+l1_ms         the cached prompt, all of it in L1 but the last block (recomputed for its logits)
+l2_ms         the cached prompt with its prefix only in L2 (L1 flushed: write-back demoted it)
+l3_ms         the cached prompt with its prefix only in L3 (an engine without L2: L1 flushes to disk)
+tail_ms       the engine's own prefill of the uncached tail after the prefix is in its KV cache, store off
+              (the store-off engine's scheduler is given the prefix as one chunk, the tail is timed)
+l2_floor_ms   memmove of the prefix's bytes from the L2 slab into the L1 pool + tail_ms
+l3_floor_ms   O_DIRECT preadv of the prefix's bytes from the L3 slot file + tail_ms
+miss_cpu_ms, cold_cpu_ms  process CPU time of those requests (other tenants move wall times, not CPU time)
+Targets: l2 <= 1.5 x l2_floor and l3 <= 1.5 x l3_floor at every length; miss CPU <= 1.05 x cold CPU;
+at 4096 tokens (the full run) cold/l2 >= 30 and cold/l3 >= 10.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
-import random
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -28,32 +33,36 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
-from _common import parser, print_table, write_json  # noqa: E402
+from _common import finish, parser, print_table, target, verdict  # noqa: E402
 
 from tierkv.config import L2Config, L3Config, StoreConfig  # noqa: E402
 from tierkv.engine import LLM, EngineConfig, SamplingParams  # noqa: E402
-from tierkv.engine.checkpoint import write_checkpoint  # noqa: E402
+from tierkv.models import resolve_model  # noqa: E402
 from tierkv.tiers.base import _memmove  # noqa: E402
+from tierkv.tiers.disk import _runs  # noqa: E402
 
 FIRST = SamplingParams(max_tokens=1, ignore_eos=True)
 
 
-def checkpoint(path: str, preset: str = "small") -> str:
-    if not (Path(path) / "config.json").is_file():
-        write_checkpoint(path, preset, seed=0)
-    return path
+class Timed:
+    """One request's wall TTFT and process CPU time, with the tokens each tier served."""
+
+    def __init__(self, llm: LLM, prompt: list[int]) -> None:
+        c0 = time.process_time()
+        out = llm.generate([prompt], FIRST)[0]
+        self.cpu_ms = (time.process_time() - c0) * 1e3
+        self.ms = out.ttft_s * 1e3
+        self.hits = dict(out.hit_tokens)
 
 
-def ttft_ms(llm: LLM, prompt: list[int]) -> float:
-    out = llm.generate([prompt], FIRST)[0]
-    return out.ttft_s * 1e3
-
-
-def ttft_and_cpu_ms(llm: LLM, prompt: list[int]) -> tuple[float, float]:
-    """Wall TTFT and the process CPU time the request took (all threads; immune to other tenants)."""
-    c0 = time.process_time()
-    wall = ttft_ms(llm, prompt)
-    return wall, (time.process_time() - c0) * 1e3
+def served(t: Timed, tier: str | None, tokens: int, what: str) -> float:
+    """``t.ms`` after checking the request was served as ``what`` says (``tier`` None: a miss)."""
+    hit = sum(t.hits.values())
+    if tier is None and hit:
+        raise SystemExit(f"{what}: expected a miss, {t.hits} tokens hit")
+    if tier is not None and (t.hits.get(tier, 0) != tokens or hit != tokens):
+        raise SystemExit(f"{what}: expected {tokens} tokens from {tier}, got {t.hits}")
+    return t.ms
 
 
 def flush_l1(llm: LLM) -> None:
@@ -61,120 +70,182 @@ def flush_l1(llm: LLM) -> None:
     llm.store.free(llm.store.allocate(llm.store.l1.capacity))
 
 
-def flushed_ttft_ms(llm: LLM, prompt: list[int]) -> float:
-    """TTFT of ``prompt`` once L1 is flushed: its prefix is then only in the tier below."""
-    flush_l1(llm)
-    return ttft_ms(llm, prompt)
+def tail_ms(llm: LLM, prompt: list[int], prefix: int) -> float:
+    """The store-off engine's time for the tail of ``prompt`` once its first ``prefix`` tokens are computed.
+
+    The scheduler's token budget is set to ``prefix`` for this request: the first step computes the
+    prefix (untimed), the second the tail and the first token (timed): the engine's own code, no store.
+    """
+    sched = llm.scheduler
+    saved = sched.config
+    sched.config = dataclasses.replace(saved, max_num_batched_tokens=prefix)
+    try:
+        seq = llm._sequence(prompt, FIRST, None)
+        sched.add(seq)
+        while seq.num_computed < prefix:
+            llm.step()
+        if seq.num_computed != prefix or seq.output_ids:
+            raise SystemExit(f"tail floor: the first chunk computed {seq.num_computed} tokens, expected {prefix}")
+        t0 = time.perf_counter()
+        while not seq.output_ids:
+            llm.step()
+        seconds = time.perf_counter() - t0
+        while not seq.is_finished:
+            llm.step()
+    finally:
+        sched.config = saved
+    return seconds * 1e3
 
 
-def l2_copy_ms(llm: LLM, nblocks: int, reps: int = 3) -> float:
+def l2_copy_ms(llm: LLM, nblocks: int) -> float:
     """One memmove of ``nblocks`` blocks from the L2 slab into the L1 pool."""
     nbytes = nblocks * llm.layout.block_bytes
     src, dst = llm.store.l2.slab, llm.store.l1.pool
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        _memmove(dst.data_ptr(), src.data_ptr(), nbytes)
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+    t0 = time.perf_counter()
+    _memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+    return (time.perf_counter() - t0) * 1e3
 
 
-def l3_read_ms(l3_dir: Path, nblocks: int, block_bytes: int, reps: int = 3) -> float:
-    """O_DIRECT preadv of ``nblocks`` blocks' bytes from the L3 slot file into an aligned buffer."""
-    nbytes = nblocks * block_bytes
-    buf = mmap.mmap(-1, nbytes)
-    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
-    fd = os.open(l3_dir / "slots.bin", flags)
-    best = float("inf")
+def l3_read_ms(llm: LLM, keys: list[bytes], buf: mmap.mmap) -> float:
+    """O_DIRECT preadv of the blocks of ``keys`` from the L3 slot file, one call per run of consecutive slots."""
+    l3 = llm.store.l3
+    by_key = {r.key: r.slot for r in l3.records()}
+    slots = sorted(by_key[k] for k in keys)
+    view = memoryview(buf)
+    fd = os.open(l3.path / "slots.bin", os.O_RDONLY | getattr(os, "O_DIRECT", 0))
     try:
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            done = 0
-            while done < nbytes:
-                n = os.preadv(fd, [memoryview(buf)[done:]], done)
-                if n <= 0:
-                    break
-                done += n
-            best = min(best, time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        done = 0
+        for run in _runs([(s,) for s in slots]):
+            want = len(run) * l3.stride
+            got = os.preadv(fd, [view[done:done + want]], run[0][0] * l3.stride)
+            if got != want:
+                raise SystemExit(f"l3 floor: read {got} of {want} bytes")
+            done += want
+        return (time.perf_counter() - t0) * 1e3
     finally:
         os.close(fd)
-    return best * 1e3
 
 
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
-    p.add_argument("--model", default=os.path.join(tempfile.gettempdir(), "tierkv-bench", "small"),
-                   help="checkpoint directory (a seeded 'small' one is written there if missing)")
+    p.add_argument("--model", default="smollm2-135m-instruct",
+                   help="a registered name, a .gguf file or a Hugging Face Llama directory (default: SmolLM2-135M)")
     p.add_argument("--dir", default=os.path.expanduser(os.environ.get("TIERKV_CACHE_DIR", "~/.cache/tierkv")),
-                   help="a directory on the L3 filesystem for the benchmark's L3 (default: ~/.cache/tierkv)")
+                   help="a directory on the L3 filesystem for the benchmark's L3s (default: ~/.cache/tierkv)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--lengths", default="1024,4096")
+    p.add_argument("--lengths", default="", help="prompt lengths (default 1024,4096; 1024 with --quick)")
+    p.add_argument("--rounds", type=int, default=0, help="rounds per length (default 5, 3 with --quick)")
     args = p.parse_args()
-    lengths = [int(x) for x in args.lengths.split(",")]
-    reps = 2 if args.quick else 5
-    model = checkpoint(args.model)
-    work = Path(tempfile.mkdtemp(prefix="tierkv-ttft-", dir=Path(args.dir).mkdir(parents=True, exist_ok=True) or args.dir))
-    blocks = max(lengths) // 16 * 2 + 64
-    engine = EngineConfig(num_blocks=blocks, max_num_batched_tokens=max(lengths), num_threads=args.threads,
-                          dtype=args.dtype)
-    rng = random.Random(0)
+    lengths = [int(x) for x in (args.lengths or ("1024" if args.quick else "1024,4096")).split(",")]
+    rounds = args.rounds or (3 if args.quick else 5)
+    model = resolve_model(args.model)
+    Path(args.dir).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="tierkv-ttft-", dir=args.dir))
+    bs = 16
+    blocks = max(lengths) // bs * 2 + 64
+    engine = EngineConfig(num_blocks=blocks, block_size=bs, max_num_batched_tokens=max(lengths),
+                          num_threads=args.threads, dtype=args.dtype)
+    rng = __import__("random").Random(0)
 
     def fresh(n: int) -> list[int]:
-        return [rng.randrange(3, 32000) for _ in range(n)]
+        return [rng.randrange(3, 40000) for _ in range(n)]
 
     rows = []
     try:
-        cached = LLM(model, StoreConfig(l2=L2Config(capacity="1GiB"), l3_enabled=False), engine)
+        cached = LLM(model, StoreConfig(l2=L2Config(capacity="1GiB"),
+                                        l3=L3Config(path=str(work / "l3-users"), capacity="1GiB")), engine)
         plain = LLM(model, StoreConfig(l3_enabled=False), engine, enable_cache=False)
         on_disk = LLM(model, StoreConfig(l2=L2Config(capacity=0), l3=L3Config(path=str(work / "l3"), capacity="1GiB")),
                       engine)
-        ttft_ms(plain, fresh(64))  # warm up allocators and kernels
-        ttft_ms(cached, fresh(64))
+        for llm in (plain, cached, on_disk):
+            Timed(llm, fresh(64))  # warm up allocators and kernels
         for n in lengths:
-            ttft_ms(plain, fresh(n))  # first use of this length grows buffers: keep it out of cold_ms
+            Timed(plain, fresh(n))  # the first use of a length grows buffers: keep it out of the figures
+            Timed(cached, fresh(n))
             prompt = fresh(n)
-            row = {"prompt_tokens": n, "cold_ms": ttft_ms(cached, prompt)}
-            row["l1_ms"] = min(ttft_ms(cached, prompt) for _ in range(reps))
-            row["l2_ms"] = min(flushed_ttft_ms(cached, prompt) for _ in range(reps))
-            ttft_ms(on_disk, prompt)
-            row["l3_ms"] = min(flushed_ttft_ms(on_disk, prompt) for _ in range(reps))
-            matched = (n - 1) // 16
-            row["l2_floor_ms"] = l2_copy_ms(cached, matched) + row["l1_ms"]
-            row["l3_floor_ms"] = l3_read_ms(work / "l3", matched, cached.layout.block_bytes) + row["l1_ms"]
-            miss, nocache = [], []
-            for _ in range(reps):
-                miss.append(ttft_and_cpu_ms(cached, fresh(n)))
-                nocache.append(ttft_and_cpu_ms(plain, fresh(n)))
-            row["miss_ms"], row["nocache_ms"] = min(m[0] for m in miss), min(m[0] for m in nocache)
-            row["miss_cpu_ms"], row["nocache_cpu_ms"] = min(m[1] for m in miss), min(m[1] for m in nocache)
-            row = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}
+            matched = (n - 1) // bs
+            prefix = matched * bs
+            served(Timed(cached, prompt), None, 0, "first pass (cached)")
+            served(Timed(on_disk, prompt), None, 0, "first pass (on_disk)")
+            keys = on_disk.store.hash(prompt)[:matched]
+            buf = mmap.mmap(-1, matched * on_disk.store.l3.stride)
+            s: dict[str, list[float]] = {k: [] for k in (
+                "cold", "miss", "l1", "l2", "l3", "tail", "l2_copy", "l3_read", "cold_cpu", "miss_cpu")}
+
+            def cold():
+                t = Timed(plain, fresh(n))
+                s["cold"].append(served(t, None, 0, "cold"))
+                s["cold_cpu"].append(t.cpu_ms)
+
+            def miss():
+                t = Timed(cached, fresh(n))
+                s["miss"].append(served(t, None, 0, "miss"))
+                s["miss_cpu"].append(t.cpu_ms)
+
+            def l2_then_l1():
+                flush_l1(cached)
+                s["l2"].append(served(Timed(cached, prompt), "l2", prefix, "l2 hit"))
+                s["l1"].append(served(Timed(cached, prompt), "l1", prefix, "l1 hit"))
+
+            def l3():
+                flush_l1(on_disk)
+                s["l3"].append(served(Timed(on_disk, prompt), "l3", prefix, "l3 hit"))
+
+            def floors():
+                s["tail"].append(tail_ms(plain, prompt, prefix))
+                s["l2_copy"].append(l2_copy_ms(cached, matched))
+                s["l3_read"].append(l3_read_ms(on_disk, keys, buf))
+
+            steps = [cold, miss, l2_then_l1, l3, floors]
+            for r in range(rounds):
+                for step in (steps if r % 2 == 0 else steps[::-1]):
+                    step()
+            med = {k: statistics.median(v) for k, v in s.items()}
+            row = {"prompt_tokens": n, "cached_tokens": prefix}
+            row.update({f"{k}_ms": round(v, 2) for k, v in med.items()})
+            row["l2_floor_ms"] = round(med["l2_copy"] + med["tail"], 2)
+            row["l3_floor_ms"] = round(med["l3_read"] + med["tail"], 2)
+            row["min_ms"] = {k: round(min(v), 2) for k, v in s.items()}
             rows.append(row)
         for llm in (cached, plain, on_disk):
             llm.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    table = []
+    targets, table = [], []
     for r in rows:
         n = r["prompt_tokens"]
-        table += [
-            (f"{n} cold_ms", f"{r['cold_ms']:.1f}", "prefill of every token"),
-            (f"{n} l1_ms", f"{r['l1_ms']:.1f}", f"cold/l1 = {r['cold_ms'] / r['l1_ms']:.1f}x"),
-            (f"{n} l2_ms", f"{r['l2_ms']:.1f}", f"cold/l2 = {r['cold_ms'] / r['l2_ms']:.1f}x (target >= 30); "
-                                                f"l2/floor = {r['l2_ms'] / r['l2_floor_ms']:.2f} (<= 1.5)"),
-            (f"{n} l2_floor_ms", f"{r['l2_floor_ms']:.1f}", "memmove of the bytes + l1_ms"),
-            (f"{n} l3_ms", f"{r['l3_ms']:.1f}", f"cold/l3 = {r['cold_ms'] / r['l3_ms']:.1f}x (target >= 10); "
-                                                f"l3/floor = {r['l3_ms'] / r['l3_floor_ms']:.2f}"),
-            (f"{n} l3_floor_ms", f"{r['l3_floor_ms']:.1f}", "O_DIRECT read of the bytes + l1_ms"),
-            (f"{n} miss_ms", f"{r['miss_ms']:.1f}", f"miss/nocache = {r['miss_ms'] / r['nocache_ms']:.3f} (<= 1.05)"),
-            (f"{n} nocache_ms", f"{r['nocache_ms']:.1f}", f"min of {reps}"),
-            (f"{n} miss_cpu_ms", f"{r['miss_cpu_ms']:.1f}",
-             f"process CPU time: miss/nocache = {r['miss_cpu_ms'] / r['nocache_cpu_ms']:.3f}"),
-            (f"{n} nocache_cpu_ms", f"{r['nocache_cpu_ms']:.1f}", "process CPU time, min of reps"),
+        here = [
+            target(f"{n}_l2_over_floor", r["l2_ms"] / r["l2_floor_ms"], "<=", 1.5, "memmove + tail prefill"),
+            target(f"{n}_l3_over_floor", r["l3_ms"] / r["l3_floor_ms"], "<=", 1.5, "O_DIRECT read + tail prefill"),
+            target(f"{n}_miss_cpu_over_cold_cpu", r["miss_cpu_ms"] / r["cold_cpu_ms"], "<=", 1.05, "store off"),
         ]
-    print_table(f"time to first token, small preset, {args.dtype}, {args.threads} thread(s)", table)
-    write_json(args.json, {"rows": rows, "threads": args.threads, "reps": reps, "model": "small", "dtype": args.dtype,
-                           "torch_threads": torch.get_num_threads()})
+        if n == 4096:
+            here += [target("4096_cold_over_l2", r["cold_ms"] / r["l2_ms"], ">=", 30, "cold prefill"),
+                     target("4096_cold_over_l3", r["cold_ms"] / r["l3_ms"], ">=", 10, "cold prefill")]
+        targets += here
+        t = {x["metric"].split("_", 1)[1]: x for x in here}
+        table += [
+            (f"{n} cold_ms", f"{r['cold_ms']:.1f}", "store off: prefill of every token"),
+            (f"{n} miss_ms", f"{r['miss_ms']:.1f}", f"never-seen prompt, L2+L3 on: {r['miss_ms'] / r['cold_ms']:.3f}x cold"),
+            (f"{n} l1_ms", f"{r['l1_ms']:.1f}", f"cold/l1 = {r['cold_ms'] / r['l1_ms']:.1f}x"),
+            (f"{n} l2_ms", f"{r['l2_ms']:.1f}", f"cold/l2 = {r['cold_ms'] / r['l2_ms']:.1f}x; l2/floor "
+                                                f"{verdict(t['l2_over_floor'])}"),
+            (f"{n} l3_ms", f"{r['l3_ms']:.1f}", f"cold/l3 = {r['cold_ms'] / r['l3_ms']:.1f}x; l3/floor "
+                                                f"{verdict(t['l3_over_floor'])}"),
+            (f"{n} tail_ms", f"{r['tail_ms']:.1f}", f"store-off prefill of the last {n - r['cached_tokens']} tokens"),
+            (f"{n} l2_floor_ms", f"{r['l2_floor_ms']:.1f}", f"memmove of the prefix {r['l2_copy_ms']:.2f} ms + tail"),
+            (f"{n} l3_floor_ms", f"{r['l3_floor_ms']:.1f}", f"O_DIRECT read of the prefix {r['l3_read_ms']:.2f} ms + tail"),
+            (f"{n} miss_cpu_ms", f"{r['miss_cpu_ms']:.1f}", f"process CPU: miss/cold {verdict(t['miss_cpu_over_cold_cpu'])}"),
+            (f"{n} cold_cpu_ms", f"{r['cold_cpu_ms']:.1f}", "process CPU, store off"),
+        ]
+        if n == 4096:
+            table.append(("4096 targets", "", f"cold/l2 {verdict(t['cold_over_l2'])}; cold/l3 {verdict(t['cold_over_l3'])}"))
+    print_table(f"time to first token, {Path(model).name}, {args.dtype}, {args.threads} thread(s), "
+                f"median of {rounds} rounds", table)
+    finish(args, "ttft", {"rows": rows, "threads": args.threads, "rounds": rounds, "model": Path(model).name,
+                          "dtype": args.dtype, "torch_threads": torch.get_num_threads()}, targets)
 
 
 if __name__ == "__main__":
