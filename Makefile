@@ -1,10 +1,10 @@
-# tierkv: `make test` (set-up + tests), `make demo` (set-up + the main job), `make bench`.
+# tierkv: `make test` (set-up + tests), `make demo` (set-up + the main job), `make bench`, `make bench-peers`.
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip
 STAMP   := $(VENV)/.installed
 
-.PHONY: setup system-deps test test-vllm demo bench clean
+.PHONY: setup system-deps test test-vllm demo bench bench-peers clean
 
 setup: $(STAMP)
 
@@ -55,12 +55,44 @@ test-vllm: $(VLLM_STAMP) system-deps
 demo: setup
 	$(VENV)/bin/tierkv run
 
+# Every benchmark with --check (exit 1 on a missed target), all of them run even when one misses,
+# then one summary table of every target from their JSON. BENCH_ARGS= (empty) for the full runs.
+BENCH_ARGS  ?= --quick
+RESULTS     := bench/results
+BENCHES     := tiers lookup connector landing remote kernels_cpu ttft throughput
+
 bench: setup system-deps
-	$(PY) bench/tiers.py --quick --json bench/results/tiers.json
-	$(PY) bench/lookup.py --quick --json bench/results/lookup.json
-	$(PY) bench/connector.py --quick --json bench/results/connector.json
-	$(PY) bench/remote.py --quick --json bench/results/remote.json
-	$(PY) bench/landing.py --quick --json bench/results/landing.json
+	@mkdir -p $(RESULTS); rm -f $(RESULTS)/*.json; fail=""; \
+	for b in $(BENCHES); do \
+		echo "== bench/$$b.py"; \
+		$(PY) bench/$$b.py $(BENCH_ARGS) --check --json $(RESULTS)/$$b.json || fail="$$fail $$b"; \
+	done; \
+	if [ -f bench/vllm_e2e.py ]; then \
+		echo "== bench/vllm_e2e.py (.venv-vllm)"; \
+		$(MAKE) --no-print-directory $(VLLM_STAMP) && \
+		$(VLLM_ENV) $(VLLM_PY) bench/vllm_e2e.py $(BENCH_ARGS) --check --json $(RESULTS)/vllm_e2e.json \
+			|| fail="$$fail vllm_e2e"; \
+	fi; \
+	$(PY) bench/summary.py $(RESULTS); \
+	if [ -n "$$fail" ]; then echo "bench: a target missed or a benchmark failed in:$$fail"; exit 1; fi
+
+# LMCache 0.5.6 (CPU torch) as a peer measured in the same run: its own venv from the shared lock.
+LMC_VENV    ?= .venv-lmcache
+LMC_PY      := $(LMC_VENV)/bin/python
+LMC_STAMP   := $(LMC_VENV)/.installed
+
+$(LMC_STAMP): pyproject.toml $(SHARED)/peers/lmcache/requirements-lock.txt
+	test -x $(LMC_PY) || python3 -m venv $(LMC_VENV)
+	$(LMC_PY) -m pip install -q torch==2.13.0
+	$(LMC_PY) -m pip install -q --no-deps -r $(SHARED)/peers/lmcache/requirements-lock.txt
+	$(LMC_PY) -m pip install -q --no-deps xxhash lmdb
+	$(LMC_PY) -m pip install -q --no-deps -e .
+	touch $@
+
+bench-peers: $(LMC_STAMP)
+	@mkdir -p $(RESULTS); fail=0; \
+	$(LMC_PY) bench/peers/lmcache.py $(BENCH_ARGS) --check --json $(RESULTS)/peers_lmcache.json || fail=1; \
+	$(LMC_PY) bench/summary.py $(RESULTS)/peers_lmcache.json; exit $$fail
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(LMC_VENV) build *.egg-info .pytest_cache

@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
-from _common import median_of, parser, print_table, write_json  # noqa: E402
+from _common import finish, median_of, parser, print_table, target  # noqa: E402
 
 from tierkv.connectors.vllm.layout import cache_view  # noqa: E402
 from tierkv.kernels import gather_blocks, scatter_blocks  # noqa: E402
@@ -85,7 +85,10 @@ def main() -> None:
         ("gather_run_gbps", f"{f['gather_run_gbps']:.2f}", "consecutive block ids"),
         ("scatter_run_gbps", f"{f['scatter_run_gbps']:.2f}", "consecutive block ids"),
     ])
-    write_json(args.json, figures)
+    finish(args, "connector", figures, [
+        target("gather_vs_memcpy", figures["gather_vs_memcpy"], ">=", 0.6, "memcpy floor"),
+        target("scatter_vs_memcpy", figures["scatter_vs_memcpy"], ">=", 0.6, "memcpy floor"),
+    ])
 
 
 if __name__ == "__main__":

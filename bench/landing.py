@@ -11,6 +11,7 @@ lower quartile of the rounds.
 l3_fresh/landing_gbps        L3 hits (O_DIRECT): unaligned memory goes through the disk tier's bounce buffer
 mooncake_fresh/landing_gbps  L4 hits over Mooncake TCP: unregistered memory goes through its staging buffer
 *_landing_vs_fresh           the ratio (above 1: the landing slots are faster)
+Target: landing >= 1.0 x fresh for both sources.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
-from _common import parser, print_table, write_json  # noqa: E402
+from _common import finish, parser, print_table, target  # noqa: E402
 from remote import start_mooncake, stop  # noqa: E402
 
 from tierkv.config import L2Config, L3Config, L4Config, StoreConfig  # noqa: E402
@@ -108,7 +109,9 @@ def main() -> None:
     figures["seconds"] = time.perf_counter() - started
     print_table(f"connector loads of {BLOCKS} blocks of {LAYOUT.block_bytes >> 10} KiB, lower quartile of "
                 f"{rounds} rounds", rows)
-    write_json(args.json, figures)
+    finish(args, "landing", figures, [
+        target(f"{src}_landing_vs_fresh", figures[f"{src}_landing_vs_fresh"], ">=", 1.0, "a fresh torch.empty batch")
+        for src in ("l3", "mooncake")])
 
 
 if __name__ == "__main__":

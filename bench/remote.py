@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 import xxhash  # noqa: E402
-from _common import parser, print_table, write_json  # noqa: E402
+from _common import finish, parser, print_table, target  # noqa: E402
 
 from tierkv.config import L4Config  # noqa: E402
 from tierkv.layout import KVLayout  # noqa: E402
@@ -378,7 +378,9 @@ def main() -> None:
     figures["seconds"] = time.perf_counter() - started
     print_table(f"L4 remote tier, {n} values of {LAYOUT.block_bytes >> 10} KiB (+{TRAILER_BYTES} B trailer), "
                 f"batches of {BATCH}, lower quartile of {reps} interleaved rounds per batch", rows)
-    write_json(args.json, figures)
+    finish(args, "remote", figures, [
+        target(f"{backend}_{op}_ratio", figures[f"{backend}_{op}_ratio"], ">=", 0.85, f"raw {backend} client")
+        for backend in ("redis", "mooncake") for op in ("put", "get")])
 
 
 if __name__ == "__main__":
