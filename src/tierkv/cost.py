@@ -104,17 +104,24 @@ class CostModel:
         Ties go to the shorter prefix (fewer transfers). A tier whose load cost
         exceeds recompute never pays for itself unless deeper blocks make up for it.
         """
+        # recompute_block_us / load_block_us inlined, same arithmetic: this runs for every lookup.
+        bs = self.block_size if block_size is None else block_size
+        load = [u * bs for u in self.load_us]
+        base, growth = self.recompute_us * bs, self.growth
         best_k, best, running = 0, 0.0, 0.0
         for i, tier in enumerate(tiers):
-            running += self.load_block_us(tier, block_size) - self.recompute_block_us(i, block_size)
+            running += load[tier] - base * (1.0 + growth * i * bs)
             if running < best:
                 best_k, best = i + 1, running
         return best_k
 
     def estimate_us(self, tiers: Sequence[int], total_blocks: int, block_size: int | None = None) -> tuple[float, float]:
         """(load time of the matched blocks, recompute time of the rest)."""
-        load = sum(self.load_block_us(t, block_size) for t in tiers)
-        rest = sum(self.recompute_block_us(d, block_size) for d in range(len(tiers), total_blocks))
+        bs = self.block_size if block_size is None else block_size
+        per_tier = [u * bs for u in self.load_us]
+        base, growth = self.recompute_us * bs, self.growth
+        load = sum(per_tier[t] for t in tiers)
+        rest = sum(base * (1.0 + growth * d * bs) for d in range(len(tiers), total_blocks))
         return load, rest
 
     def saved_us(self, tiers: Sequence[int], block_size: int | None = None) -> float:
