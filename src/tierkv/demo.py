@@ -47,6 +47,7 @@ class Workload:
                 raise ValueError(f"workload.{name}: expected an integer >= 1, got {value!r}")
 
 
+FIRST_TOKENS = 4  # greedy tokens of each turn compared between the cached and the cold engine
 QUICK = Workload(users=2, turns=2, system_tokens=768, max_tokens=8)
 FULL = Workload(users=3, turns=3, system_tokens=1536, max_tokens=16)
 
@@ -132,13 +133,15 @@ def _turn(cached, nocache, catalog, prompt: list[int], max_tokens: int) -> tuple
     written = cached.store.persist(keys)
     if catalog is not None:
         catalog.record(keys, NAMESPACE, sum(out.hit_tokens.values()) // cached.store.block_size)
-    ref = nocache.generate([prompt], SamplingParams(max_tokens=1))[0]
+    n_first = min(FIRST_TOKENS, max_tokens)
+    ref = nocache.generate([prompt], SamplingParams(max_tokens=n_first))[0]  # TTFT is its first token's time
     row = {
         "prompt_tokens": len(prompt),
         "hit_tokens": {t: out.hit_tokens.get(t, 0) for t in TIER_NAMES},
         "ttft_cached_ms": round(out.ttft_s * 1e3, 2), "ttft_nocache_ms": round(ref.ttft_s * 1e3, 2),
         "tokens_per_s": round((len(out.token_ids) - 1) / max(elapsed - out.ttft_s, 1e-6), 1),
-        "first_token_match": out.token_ids[:1] == ref.token_ids[:1],
+        "first_tokens": {"cached": out.token_ids[:n_first], "cold": ref.token_ids[:n_first]},
+        "first_token_match": out.token_ids[:n_first] == ref.token_ids[:n_first],
     }
     return row, out.token_ids, written
 

@@ -21,10 +21,16 @@ def test_run_quick_second_pass_hits_l3(tmp_path):
     fresh, restarted = result["passes"]
     for ps in (fresh, restarted):
         assert len(ps["turns"]) == 4
+        # Served from the cache, every turn starts with the very tokens the cold engine computes.
+        for turn in ps["turns"]:
+            first = turn["first_tokens"]
+            assert len(first["cold"]) == 4 and first["cached"] == first["cold"], turn
+        assert ps["first_tokens_match"] is True
         assert set(ps["hit_tokens_by_tier"]) == {"l1", "l2", "l3", "l4"}
         assert ps["ttft_cached_ms"] > 0 and ps["ttft_nocache_ms"] > 0
     assert fresh["hit_tokens_by_tier"]["l3"] == 0 and fresh["turns"][0]["hit_tokens"] == dict.fromkeys(("l1", "l2", "l3", "l4"), 0)
     assert restarted["hit_tokens_by_tier"]["l3"] > 0
+    assert all(sum(t["hit_tokens"].values()) > 0 for t in restarted["turns"])  # every turn compared was cached
     # the restarted pass starts from disk: its first turn is served from L3
     assert restarted["turns"][0]["hit_tokens"]["l3"] >= 768
     assert (cache / "models" / "small" / "config.json").exists()
