@@ -17,7 +17,7 @@ except ImportError:
     from click import ClickException as _ClickError
 
 # Import order is the order of `tierkv --help`.
-from tierkv.cli import run_cmd, info_cmd, store_cmds, engine_cmds, model_cmds, bench_cmd  # noqa: F401, I001  (registers commands)
+from tierkv.cli import run_cmd, info_cmd, store_cmds, engine_cmds, route_cmd, model_cmds, bench_cmd  # noqa: F401, I001  (registers commands)
 from tierkv.cli.common import CLIError, app, err_console
 
 __all__ = ["app", "main"]
