@@ -22,7 +22,7 @@ from fastapi import APIRouter, HTTPException, Request
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictStr
 from starlette.concurrency import run_in_threadpool
 
-from tierkv.kvevents import KVEventPublisher
+from tierkv.kvevents import KVEventPublisher, PublisherConfig
 from tierkv.route.match import match_tiers
 
 
@@ -50,9 +50,29 @@ def status(server, publisher: KVEventPublisher | None) -> dict:
                     "growth": cost.growth, "block_size": cost.block_size, "block_bytes": cost.block_bytes}}
     if publisher is not None:
         out.update(instance_id=publisher.instance_id, last_seq=publisher.last_seq,
+                   inventory_blocks=len(publisher.inventory),
                    events={"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint,
                            "topic": publisher.topic.decode()})
     return out
+
+
+def serve_kv(store, endpoint: str | None) -> tuple[APIRouter, KVEventPublisher | None]:
+    """For ``tierkv serve``: the routes, and a publisher of ``store``'s events bound at ``endpoint``.
+
+    ``endpoint`` is ``tcp://HOST:PORT`` (PUB at PORT, replay at PORT + 1; port 0
+    picks two free ports) or None / ``"off"`` for no events. The caller closes
+    the publisher after the store stops changing.
+    """
+    publisher = None
+    if endpoint not in (None, "off"):
+        base, _, port = endpoint.rpartition(":")
+        if not base.startswith("tcp://") or not port.isdigit():
+            raise ValueError(f"--kv-events: expected tcp://HOST:PORT or off, got {endpoint!r}")
+        replay = f"{base}:{int(port) + 1 if int(port) else 0}"
+        publisher = KVEventPublisher(PublisherConfig(endpoint=endpoint, replay_endpoint=replay,
+                                                     block_size=store.block_size))
+        publisher.attach(store)
+    return kv_routes(publisher), publisher
 
 
 def kv_routes(publisher: KVEventPublisher | None = None) -> APIRouter:
