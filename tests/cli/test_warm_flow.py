@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from _servers import redis_server  # noqa: F401  (fixture)
 from cli_helpers import cache, run_tierkv, tiny_model  # noqa: F401  (fixtures)
 
 SYSTEM = "You are a careful assistant. " * 6  # 174 bytes: 10 full blocks of 16 tokens
@@ -50,3 +51,41 @@ def test_warm_rejects_a_bad_prompts_file(cache, tiny_model, tmp_path):
     prompts.write_text('{"prompt": "fine"}\n{"prompt": 5}\n')
     r = run_tierkv("warm", str(prompts), "--model", str(tiny_model), "--cache-dir", str(cache))
     assert r.code == 1 and r.err.startswith(f"error: {prompts}:2:") and "Traceback" not in r.err
+
+
+# Three chains of token ids (no tokenizer involved): 5, 3 and 7 full blocks of 16 tokens plus a tail.
+ID_PROMPTS = [list(range(10, 10 + 16 * 5 + 3)), list(range(100, 100 + 16 * 3 + 1)),
+              [7] * 20 + list(range(200, 200 + 16 * 7 - 20 + 5))]
+FULL_BLOCKS = 5 + 3 + 7
+
+
+def warm_ids(tmp_path, tiny_model, cache, env: dict) -> dict:
+    prompts = tmp_path / "ids.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_token_ids": ids}) + "\n" for ids in ID_PROMPTS))
+    r = run_tierkv("warm", str(prompts), "--model", str(tiny_model), "--json", "--cache-dir", str(cache), env=env)
+    assert r.code == 0, r.err
+    return r.json()
+
+
+def test_warm_into_l4_is_hit_by_a_node_with_an_empty_l3(redis_server, tiny_model, tmp_path):
+    env = {"TIERKV_L4_URL": redis_server.url}
+    first = warm_ids(tmp_path, tiny_model, tmp_path / "node-a", env)
+    assert first["blocks_written"] == {"l3": FULL_BLOCKS, "l4": FULL_BLOCKS}
+    assert redis_server.client().dbsize() == FULL_BLOCKS
+    # Another node (its own, empty L3) warming the same prompts finds every full block in L4,
+    # each value checked against its trailer (key, layout, length, checksum) as it lands.
+    second = warm_ids(tmp_path, tiny_model, tmp_path / "node-b", env)
+    assert second["hit_tokens"] == {"l1": 0, "l2": 0, "l3": 0, "l4": FULL_BLOCKS * 16}
+    assert second["blocks_written"]["l3"] == FULL_BLOCKS
+    # (persist does not ask L4 first, so warm sends the 15 values again: the same names, no new keys)
+    assert redis_server.client().dbsize() == FULL_BLOCKS
+
+
+def test_warm_into_a_shared_l2_is_hit_by_the_next_process(shm_name, tiny_model, tmp_path):
+    env = {"TIERKV_L2_SHARED_NAME": shm_name}
+    first = warm_ids(tmp_path, tiny_model, tmp_path / "proc-a", env)
+    assert first["blocks_written"] == {"l3": FULL_BLOCKS, "l2": FULL_BLOCKS}
+    # The slab outlives the process that wrote it: the next one (its own, empty L3) hits it.
+    second = warm_ids(tmp_path, tiny_model, tmp_path / "proc-b", env)
+    assert second["hit_tokens"] == {"l1": 0, "l2": FULL_BLOCKS * 16, "l3": 0, "l4": 0}
+    assert second["blocks_written"] == {"l3": FULL_BLOCKS, "l2": 0}
