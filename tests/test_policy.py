@@ -1,4 +1,4 @@
-"""Eviction policies on small hand-built trees: exact eviction order for cost_aware, lfu, lru."""
+"""Eviction policies on small hand-built trees: exact eviction order for cost_aware, lfu, lru; hit_density's learning."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from _kv import prompt, save_prompt
 from tierkv.config import CostConfig, PolicyConfig
 from tierkv.cost import CostModel
 from tierkv.index import PrefixIndex, Tier
-from tierkv.policy import POLICIES, CostAwarePolicy, LFUPolicy, LRUPolicy, make_policy
+from tierkv.policy import DEFAULT_POLICY, POLICIES, CostAwarePolicy, HitDensityPolicy, LFUPolicy, LRUPolicy, make_policy
+from tierkv.policy.hit_density import age_bin, block_class
 
 L1, L2 = Tier.L1, Tier.L2
 
@@ -44,18 +45,19 @@ def drain(index: PrefixIndex, tier: int = L1) -> list[str]:
 
 
 def test_registry_names_and_default():
-    assert sorted(POLICIES) == ["cost_aware", "lfu", "lru"]
-    assert PolicyConfig().name == "cost_aware"
+    assert sorted(POLICIES) == ["cost_aware", "hit_density", "lfu", "lru"]
+    assert PolicyConfig().name == DEFAULT_POLICY == "hit_density"
+    assert isinstance(make_policy("hit_density", L1), HitDensityPolicy)
     assert isinstance(make_policy("cost_aware", L1), CostAwarePolicy)
     assert isinstance(make_policy("lfu", L1, half_life=10.0), LFUPolicy)
     assert isinstance(make_policy("lru", L1, cost=None, lower=None), LRUPolicy)
-    with pytest.raises(ValueError, match=r"^policy\.name: expected one of \['cost_aware', 'lfu', 'lru'\], got 'mru'"):
+    with pytest.raises(ValueError, match=r"^policy\.name: expected one of \['cost_aware', 'hit_density', 'lfu', 'lru'\], got 'mru'"):
         make_policy("mru", L1)
     with pytest.raises(ValueError, match=r"^policy\.reuse_exponent: expected > 0"):
         CostAwarePolicy(L1, reuse_exponent=0.0)
 
 
-@pytest.mark.parametrize("name", ["cost_aware", "lfu", "lru"])
+@pytest.mark.parametrize("name", ["cost_aware", "hit_density", "lfu", "lru"])
 def test_every_policy_evicts_leaves_first_and_never_pinned(name):
     index = index_with(name)
     chain(index, "abc")
@@ -207,3 +209,87 @@ def test_the_store_evicts_by_its_configured_policy(make_store, layout, name, sur
     gone = {"deep": shallow, "shallow": deep[-1:]}[survivor]
     assert all(store.index.get(key) is not None for key in kept)
     assert all(store.index.get(key) is None for key in gone)
+
+
+# -- hit_density: learns from what the index sees -----------------------------------
+
+
+def run_stream(index: PrefixIndex, stream: list[bytes], capacity: int) -> int:
+    """Single-block lookups as the store makes them (pin, touch, save, trim, unpin); returns the hits."""
+    hits = 0
+    for key in stream:
+        entry = index.get(key)
+        if entry is not None:
+            hits += 1
+            index.pin([entry])
+            index.touch([entry])
+        else:
+            index.touch([])
+            entry = index.add(key, None, 0, L1, pin=True)
+        while index.counts[L1] > capacity:
+            index.drop(index.victim(L1).key, L1)
+        index.unpin([entry])
+    return hits
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_hit_density_is_exactly_lru_before_it_has_data(seed):
+    rng = random.Random(seed)
+    a, b = index_with("hit_density"), index_with("lru")
+    names = [chr(ord("A") + i) for i in range(40)]
+    for index in (a, b):
+        for n in names:
+            chain(index, n)
+    for n in rng.choices(names, k=100):
+        for index in (a, b):
+            use(index, n)
+    assert a.policies[L1].updates == 0
+    order = drain(a)
+    assert order == drain(b) and len(order) == 40
+
+
+def test_hit_density_learns_that_reused_blocks_outlive_a_scan():
+    # A hot set of 300 blocks, each reused every ~1,200 lookups on average (randomly), under
+    # a scan of one-off blocks (3 per hot lookup), in a cache of 400: LRU keeps mostly the
+    # scan's last blocks and hits only short reuses (~30 %); hit_density learns that hit
+    # blocks come back and one-offs do not, and keeps the hot set.
+    rng = random.Random(1)
+    hot = [k(f"hot{i}") for i in range(300)]
+    stream, n = [], 0
+    for _ in range(12_000):
+        stream.append(rng.choice(hot))
+        for _ in range(3):
+            stream.append(k(f"scan{n}"))
+            n += 1
+    lru = run_stream(index_with("lru"), stream, 400)
+    index = index_with("hit_density")
+    learned = run_stream(index, stream, 400)
+    policy = index.policies[L1]
+    assert policy.updates > 10 and policy.ghost_hits > 100
+    assert lru < 0.35 * 12_000 and learned > 0.85 * 12_000, (lru, learned)
+
+
+def test_a_ghost_comes_back_with_its_hits():
+    index = index_with("hit_density")
+    chain(index, "a")
+    use(index, "a")
+    use(index, "a")
+    assert block_class(index.get(k("a"))) == 3       # hit twice
+    drain(index)
+    assert index.get(k("a")) is None and k("a") in index.policies[L1].ghosts
+    chain(index, "a")                                     # a new entry for the same block
+    entry = index.get(k("a"))
+    assert entry.hits == 0 and block_class(entry) == 3  # its two hits, and the return
+    assert k("a") not in index.policies[L1].ghosts and index.policies[L1].ghost_hits == 1
+
+
+def test_ghosts_are_bounded_by_the_tier_size():
+    index = index_with("hit_density")
+    policy = index.policies[L1]
+    run_stream(index, [k(f"x{i}") for i in range(5000)], 50)
+    from tierkv.policy.hit_density import GHOST_FACTOR
+    assert 0 < len(policy.ghosts) <= GHOST_FACTOR * 51 + 64  # counted while the new block is in
+
+
+def test_age_bins_are_half_octaves():
+    assert [age_bin(a) for a in (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 16)] == [0, 1, 2, 3, 4, 4, 5, 5, 6, 6, 7, 8]

@@ -40,7 +40,7 @@ TINY = [[1, 2, 3], [1, 2, 4], [5], [1, 2, 3]]
 def test_a_block_hits_only_when_its_whole_prefix_is_cached(tmp_path):
     # Capacity 3, LRU: r2 hits 1,2 and evicts leaf 3; r3 evicts leaf 4; r4 hits 1,2 (3 is gone).
     requests = replay_tool.load_trace(write_trace(tmp_path / "t.jsonl", TINY))
-    r = replay_tool.replay(requests, "lru", [3])
+    r = replay_tool.replay(requests, "lru", [3], depth_weight=0.5)
     assert (r.accesses, r.hit_rate) == (10, 0.4)
     # Cost 1 + 0.5 d: hits weigh (1 + 1.5) twice; all blocks weigh 4.5 + 4.5 + 1 + 4.5.
     assert r.saved_cost == pytest.approx(5.0 / 14.5)
@@ -151,12 +151,20 @@ def test_command_line_rejects_bad_arguments(tmp_path):
         assert proc.returncode == 2, args
 
 
-@pytest.mark.skipif(not SYNTHETIC.exists(), reason=f"the shared synthetic trace is not at {SYNTHETIC} (set TIERKV_SHARED)")
-def test_synthetic_trace_cost_aware_beats_lru_at_1k_blocks():
+@pytest.mark.skipif(not SYNTHETIC.exists(), reason="the shared synthetic trace is not on this machine")
+def test_synthetic_trace_default_policy_keeps_lru_hits_and_takes_headroom():
+    # The policy a store uses when its config names none, against LRU and the oracle.
+    from tierkv.config import PolicyConfig
+
     requests = replay_tool.load_trace(SYNTHETIC)
-    lru = replay_tool.replay(requests, "lru", [1000])
-    cost_aware = replay_tool.replay(requests, "cost_aware", [1000])
-    assert lru.accesses == 121_877
-    assert round(lru.hit_rate, 4) == 0.0841  # leaves-only LRU (see docs/replay.md)
-    assert cost_aware.saved_cost >= 2.0 * lru.saved_cost
-    assert cost_aware.hit_rate >= lru.hit_rate - 0.01
+    results = [replay_tool.replay(requests, name, [cap])
+               for name in ("lru", PolicyConfig().name, "belady") for cap in (1000, 3000)]
+    replay_tool.add_headroom(results)
+    lru, default, oracle = results[:2], results[2:4], results[4:]
+    assert lru[0].accesses == 121_877
+    assert round(lru[0].hit_rate, 4) == 0.0841  # leaves-only LRU (see docs/replay.md)
+    assert [round(r.hit_rate, 3) for r in oracle] == [0.269, 0.444]
+    for base, new in zip(lru, default):
+        assert new.hit_rate >= base.hit_rate - 0.003
+        assert new.headroom > 0.02, (new.capacity, new.headroom)
+        assert new.saved_flops_frac["llama-3.1-8b"] >= base.saved_flops_frac["llama-3.1-8b"]

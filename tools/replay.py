@@ -39,6 +39,7 @@ from pathlib import Path
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
+from tierkv.config import CostConfig  # noqa: E402
 from tierkv.cost import CostModel  # noqa: E402
 from tierkv.flops import REFERENCE_MODELS  # noqa: E402
 from tierkv.index import LOCAL_TIERS, PrefixIndex  # noqa: E402
@@ -48,6 +49,9 @@ from tierkv.policy.base import HeapPolicy  # noqa: E402
 BLOCK_TOKENS = 512
 TIER_NAMES = ("l1", "l2", "l3")
 GRADE = "llama-3.1-8b"  # the reference model the table's ratios use
+# The policies' own cost model by default: the store's, when nothing is configured
+# or calibrated (its recompute growth per token of context, per 512-token block).
+STORE_DEPTH_WEIGHT = CostModel.from_config(CostConfig(), BLOCK_TOKENS, BLOCK_TOKENS).growth * BLOCK_TOKENS
 ORACLE = "belady"
 NEVER = float("inf")
 # Reference model for the multi-tier time estimate: a Llama-3-8B-like fp16
@@ -272,12 +276,15 @@ class Replayer:
         return hits, hit_lengths, saved_us
 
 
-def replay(requests: list[list[bytes]], policy: str, capacities: Sequence[int], depth_weight: float = 0.5,
+def replay(requests: list[list[bytes]], policy: str, capacities: Sequence[int],
+           depth_weight: float | None = None,
            half_life: float = 2000.0, cost: CostModel | None = None, **options) -> ReplayResult:
     """Replay ``requests`` with ``policy`` over tiers of ``capacities`` blocks (L1, L2, L3).
 
     ``options`` go to the policy (e.g. ``reuse_exponent`` for cost_aware).
     """
+    if depth_weight is None:
+        depth_weight = STORE_DEPTH_WEIGHT
     multi = len([c for c in capacities if c > 0]) > 1
     units = CostModel.units(depth_weight, BLOCK_TOKENS)
     model = cost if cost is not None else units
@@ -383,7 +390,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--capacity", type=_ints, default=None, help="single-tier capacities in blocks, e.g. 1000,3000")
     p.add_argument("--tiers", type=_tiers, default=None, help="multi-tier capacities, e.g. l1=1000,l2=10000,l3=100000")
     p.add_argument("--policy", type=_policies, default=["lru", "lfu", "cost_aware"], help="comma-separated policies")
-    p.add_argument("--depth-weight", type=float, default=0.5, help="a block at depth d costs 1 + W*d (default 0.5)")
+    p.add_argument("--depth-weight", type=float, default=STORE_DEPTH_WEIGHT,
+                   help="the policies' cost model: a block at depth d costs 1 + W*d "
+                        f"(default {STORE_DEPTH_WEIGHT:.4g}, the store's default recompute growth)")
     p.add_argument("--half-life", type=float, default=2000.0, help="reuse decay half-life in lookups")
     p.add_argument("--reuse-exponent", type=float, default=None,
                    help="cost_aware: power-law decay of the reuse hazard with age (default: the policy's)")

@@ -27,7 +27,7 @@ _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
 # The names config accepts. This module is a leaf (it imports nothing from tierkv),
 # so the registries that implement these names (tierkv.policy.POLICIES,
 # tierkv.hashing.ALGORITHMS) are checked against them by tests/test_imports.py.
-POLICY_NAMES = ("cost_aware", "lfu", "lru")
+POLICY_NAMES = ("cost_aware", "hit_density", "lfu", "lru")
 HASH_ALGORITHMS = ("xxh3_128", "sha256", "blake2b")
 
 
@@ -160,7 +160,7 @@ class PolicyConfig:
     block's age (see docs/replay.md; ``tools/replay.py --reuse-exponent`` tries others).
     """
 
-    name: str = "cost_aware"
+    name: str = "hit_density"
     write: str = "write_back"
     half_life: float = 2000.0
     reuse_exponent: float = 0.75

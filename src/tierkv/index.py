@@ -42,7 +42,7 @@ class Entry:
 
     __slots__ = (
         "key", "parent", "depth", "mask", "best", "l1_slot", "ref_count",
-        "last_access", "freq", "children", "handles",
+        "last_access", "freq", "hits", "tag", "children", "handles",
     )
 
     def __init__(self, key: bytes, parent: bytes | None, depth: int) -> None:
@@ -55,6 +55,8 @@ class Entry:
         self.ref_count = 0
         self.last_access = 0
         self.freq = 0.0
+        self.hits = 0  # lookups that hit it while cached (not decayed)
+        self.tag = 0   # owned by the policies (e.g. hit_density's class bits); the index never reads it
         self.children = [0, 0, 0]
         self.handles: list = [None, None, None]  # policy bookkeeping, one per tier
 
@@ -78,6 +80,9 @@ class Ranking(Protocol):
     def discard(self, entry: Entry) -> None: ...
     def touch(self, entry: Entry) -> None: ...
     def pop(self) -> Entry | None: ...
+    # Optional: ``observe(entries, clock)``, called by ``PrefixIndex.touch`` with every
+    # block a lookup hit (listed or not), before their use times are updated; and
+    # ``admit(entry)``, called by ``PrefixIndex.add`` each time the policy's tier gains a block.
     def __len__(self) -> int: ...
 
 
@@ -102,6 +107,8 @@ class PrefixIndex:
         for policy in self.policies:
             if policy is not None:
                 policy.bind(self)
+        self._observers = tuple(p.observe for p in self.policies if p is not None and hasattr(p, "observe"))
+        self._admits = [getattr(p, "admit", None) for p in self.policies]
         self.counts = [0, 0, 0]
         self.clock = 0
         self._decay = 0.5 ** (1.0 / half_life)
@@ -165,6 +172,9 @@ class PrefixIndex:
         entry.mask |= bit
         entry.best = _BEST[entry.mask]
         self.counts[tier] += 1
+        admit = self._admits[tier]
+        if admit is not None:
+            admit(entry)
         if self.events is not None:
             self.events.stored(key, tier)
         if parent is not None:
@@ -273,8 +283,13 @@ class PrefixIndex:
         """One access (a lookup that hit these blocks): advance the clock, decay and bump ``freq``."""
         self.clock += 1
         clock, decay = self.clock, self._decay
+        if self._observers:
+            entries = entries if isinstance(entries, list) else list(entries)
+            for observe in self._observers:
+                observe(entries, clock)
         for entry in entries:
             entry.freq = entry.freq * decay ** (clock - entry.last_access) + 1.0
+            entry.hits += 1
             entry.last_access = clock
             if entry.ref_count == 0:
                 for tier in LOCAL_TIERS:

@@ -4,15 +4,17 @@ from __future__ import annotations
 
 from tierkv.policy.base import EvictionPolicy, HeapPolicy
 from tierkv.policy.cost_aware import CostAwarePolicy
+from tierkv.policy.hit_density import HitDensityPolicy
 from tierkv.policy.lfu import LFUPolicy
 from tierkv.policy.lru import LRUPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     "cost_aware": CostAwarePolicy,
+    "hit_density": HitDensityPolicy,
     "lfu": LFUPolicy,
     "lru": LRUPolicy,
 }
-DEFAULT_POLICY = "cost_aware"
+DEFAULT_POLICY = "hit_density"
 
 
 def make_policy(name: str, tier: int, **context) -> EvictionPolicy:
@@ -29,5 +31,5 @@ def make_policy(name: str, tier: int, **context) -> EvictionPolicy:
     return cls(tier, **context)
 
 
-__all__ = ["CostAwarePolicy", "DEFAULT_POLICY", "EvictionPolicy", "HeapPolicy", "LFUPolicy", "LRUPolicy",
+__all__ = ["CostAwarePolicy", "DEFAULT_POLICY", "EvictionPolicy", "HeapPolicy", "HitDensityPolicy", "LFUPolicy", "LRUPolicy",
            "POLICIES", "make_policy"]

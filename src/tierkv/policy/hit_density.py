@@ -1,0 +1,275 @@
+"""Evicts the leaf with the lowest learned hit density: hits expected per unit of cache space-time (the default).
+
+Nothing here is fitted to a trace: the policy learns, online and per tier,
+how reuse depends on a block's recency (its *age*: lookups since its last
+use) and frequency (how many lookups hit it), in the spirit of LHD (Beckmann
+et al., NSDI '18), with ARC-style ghosts to see past its own evictions:
+
+- Blocks fall into four *classes*: never hit, split by whether the block was
+  the tip of the save that created it (often a partial or private tail that
+  nothing reuses — or, in chat, the block the next turn continues: the policy
+  finds out which); hit once; hit twice or more.
+- Per class it keeps two histograms over age (half-octave bins): hits at each
+  age, and lives that ended unreused at each age. Every hit the index sees
+  counts, listed or not (``observe``). A victim's life has not ended: its key
+  stays as a *ghost* (up to ``GHOST_FACTOR`` × the tier's blocks); a ghost's
+  return counts as the hit keeping it would have given (``admit``) and the
+  block comes back with its hit count; the oldest ghosts end unreused. Lives
+  still running (cached blocks, ghosts) count as exposure so far (censoring).
+- The *hit density* of class c at age a is the hits still expected per unit
+  of residence, given the block reached age a: Σ hits at ages ≥ a over
+  Σ residence at ages ≥ a. A tier keeps what earns the most hits per
+  block-lookup of space.
+- Within a class the oldest block is the candidate (density falls with age
+  in the heavy-tailed reuse of prefix caches), so eviction compares one head
+  per class: O(classes + log n).
+
+Histograms decay geometrically, so the weights follow a changing workload;
+a class with little data leans on the pooled histograms of all classes, and
+before any data every class has the same falling density, which makes the
+order plain LRU. Cost-awareness stays where it is real: the density is
+multiplied by what a reuse saves by staying in this tier
+(``CostModel.keep_benefit_us``: the reload from the tier below if cheaper than
+recompute, minus this tier's own load), nearly flat across depths on a real
+model. Not thread-safe (the store holds its lock).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections import OrderedDict
+
+from tierkv.cost import CostModel
+from tierkv.index import Entry
+from tierkv.policy.base import EvictionPolicy
+
+BINS = 64                 # half-octave age bins: ages up to 2**32 lookups
+_LEVELS = 2               # hit-count levels past 0: once, twice or more
+CLASSES = 2 + _LEVELS     # never hit (0: not a tip, 1: a tip), then hit 1, 2+ times
+# Entry.tag bits this policy owns: tip, seen (classified), and for a block back
+# from a ghost the hits the index forgot (bits 2-3).
+_TIP, _SEEN = 1, 2
+_EXTRA_SHIFT, _EXTRA_MASK = 2, 3
+# Recompute the densities after as many observed events (hits, ghost returns
+# and ends, evictions) as there are live blocks and ghosts, at least this many;
+# each time multiply the histograms by _DECAY (a memory of ~20 such periods).
+# Scale-free choices in the spirit of LHD's defaults, not fits to a trace.
+_MIN_PERIOD = 512
+_DECAY = 0.95
+# Ghosts kept per block of the tier (keys of victims, with class and last use):
+# they let the densities see ages past the tier's own eviction age.
+GHOST_FACTOR = 4
+# Pseudo-events of the pooled (all-class) histograms added to each class's.
+_PRIOR_EVENTS = 16.0
+
+
+def age_bin(age: int) -> int:
+    """Half-octave bin of an age in lookups: 0, 1, 2, 3, 4-5, 6-7, 8-11, 12-15, ..."""
+    bl = age.bit_length()
+    return bl if bl < 2 else min(2 * bl - 2 + ((age >> (bl - 2)) & 1), BINS - 1)
+
+
+def _bin_widths() -> list[int]:
+    return [1 if b < 2 else 1 << ((b + 2) // 2 - 2) for b in range(BINS)]
+
+
+_WIDTHS = _bin_widths()
+
+
+def block_class(entry: Entry) -> int:
+    """The class of ``entry``: 0 never hit, 1 never hit and a tip, 2 hit once, 3 hit more.
+
+    Hits include those a block had before it came back from a ghost.
+    """
+    hits = entry.hits + ((entry.tag >> _EXTRA_SHIFT) & _EXTRA_MASK)
+    if not hits:
+        return entry.tag & _TIP
+    return 1 + (hits if hits < _LEVELS else _LEVELS)
+
+
+class HitDensityPolicy(EvictionPolicy):
+    """Ranks one tier's evictable leaves by learned hit density × keep benefit. Not thread-safe."""
+
+    name = "hit_density"
+
+    def __init__(self, tier: int, cost: CostModel | None = None, lower: int | None = None, **_context) -> None:
+        """``cost`` prices a reuse kept in this tier (the store's model; a flat one if None);
+        ``lower`` is the tier a victim demotes to (None: it is dropped)."""
+        super().__init__(tier)
+        self.cost = cost if cost is not None else CostModel.units(0.0)
+        self.lower = lower
+        self._heaps: list[list[list]] = [[] for _ in range(CLASSES)]
+        self._seq = itertools.count()
+        self._size = 0
+        self._benefit: list[float] = []
+        self.hit_hist = [[0.0] * BINS for _ in range(CLASSES)]
+        self.end_hist = [[0.0] * BINS for _ in range(CLASSES)]
+        # Before any data: the same falling density for every class (LRU order).
+        self.density = [[1.0 / (b + 1) for b in range(BINS)] for _ in range(CLASSES)]
+        self._events = 0
+        self._period = _MIN_PERIOD
+        self.updates = 0
+        self.ghosts: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        self.ghost_hits = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    # -- learning ---------------------------------------------------------------
+
+    def observe(self, entries: list[Entry], clock: int) -> None:
+        """Count the hits of a lookup (called by the index before it updates use times)."""
+        bit, hist = 1 << self.tier, self.hit_hist
+        n = 0
+        for e in entries:
+            if e.mask & bit:
+                age = clock - e.last_access
+                bl = age.bit_length()
+                b = bl if bl < 2 else 2 * bl - 2 + ((age >> (bl - 2)) & 1)
+                hist[block_class(e)][b if b < BINS else BINS - 1] += 1.0
+                n += 1
+        self._events += n
+        if self._events >= self._period:
+            self._update()
+
+    def admit(self, entry: Entry) -> None:
+        """The tier gained ``entry`` (called by the index): a ghost's return is a hit it missed."""
+        ghost = self.ghosts.pop(entry.key, None)
+        if ghost is None:
+            return
+        c, last = ghost
+        age = self.index.clock - last
+        self.hit_hist[c][age_bin(age)] += 1.0
+        self.ghost_hits += 1
+        if entry.hits == 0:  # a new entry: carry over the hits the index forgot, and this one
+            extra = (0 if c < 2 else c - 1) + 1
+            entry.tag = (entry.tag & (_TIP | _SEEN)) | ((extra if extra < _LEVELS else _LEVELS) << _EXTRA_SHIFT)
+        self._events += 1
+
+    def _bury(self, entry: Entry, c: int, last: int, now: int) -> None:
+        """Remember an evicted block; the oldest ghosts past the limit end their lives unreused."""
+        ghosts = self.ghosts
+        ghosts[entry.key] = (c, last)
+        limit = GHOST_FACTOR * (self.index.counts[self.tier] if self.index is not None else self._size) + 64
+        while len(ghosts) > limit:
+            _, (gc, glast) = ghosts.popitem(last=False)
+            self.end_hist[gc][age_bin(now - glast)] += 1.0
+
+    def _alive(self) -> list[list[float]]:
+        """Per class and age bin: lives not ended yet (blocks cached in this tier, ghosts).
+
+        They count as censored lives: their time so far is exposure without a
+        hit. O(blocks + ghosts); ``_update`` runs at most once per that many events.
+        """
+        alive = [[0.0] * BINS for _ in range(CLASSES)]
+        if self.index is None:
+            return alive
+        now = self.index.clock
+        for c, last in self.ghosts.values():
+            alive[c][age_bin(now - last)] += 1.0
+        bit = 1 << self.tier
+        for e in self.index.entries():
+            if e.mask & bit:
+                alive[block_class(e)][age_bin(now - e.last_access)] += 1.0
+        return alive
+
+    def _update(self) -> None:
+        """Recompute every class's density from its histograms and the live blocks, then decay them."""
+        self._events = 0
+        self.updates += 1
+        widths = _WIDTHS
+        alive = self._alive()
+        self._period = max(_MIN_PERIOD, int(sum(map(sum, alive))))
+        ended = [[e + a for e, a in zip(ends, live)] for ends, live in zip(self.end_hist, alive)]
+        pooled_hits = [sum(h[b] for h in self.hit_hist) for b in range(BINS)]
+        pooled_ends = [sum(e[b] for e in ended) for b in range(BINS)]
+        pooled = sum(pooled_hits) + sum(pooled_ends)
+        if pooled >= 1.0:
+            w = _PRIOR_EVENTS / pooled
+            for c in range(CLASSES):
+                hits = [h + w * p for h, p in zip(self.hit_hist[c], pooled_hits)]
+                ends = [e + w * p for e, p in zip(ended[c], pooled_ends)]
+                density = self.density[c]
+                hits_after = 0.0     # Σ hits at ages >= b
+                alive_after = 0.0    # lives that reach past bin b
+                time_after = 0.0     # residence from bin b on, summed over lives
+                for b in range(BINS - 1, -1, -1):
+                    ending = hits[b] + ends[b]
+                    time_after += widths[b] * (alive_after + 0.5 * ending)
+                    alive_after += ending
+                    hits_after += hits[b]
+                    density[b] = hits_after / time_after if time_after > 0 else 0.0
+        for hist in (*self.hit_hist, *self.end_hist):
+            for b in range(BINS):
+                hist[b] *= _DECAY
+
+    def _benefit_at(self, depth: int) -> float:
+        table = self._benefit
+        base = self.cost.keep_benefit_us(0, self.tier, self.lower)
+        while len(table) <= depth:
+            table.append(self.cost.keep_benefit_us(len(table), self.tier, self.lower) / base)
+        return table[depth]
+
+    # -- the ranking seam -----------------------------------------------------------
+
+    def add(self, entry: Entry) -> None:
+        """List ``entry`` (now evictable in this tier) under its class, oldest first."""
+        if not entry.tag & _SEEN:  # first listing: a tip if fresh from the save that created it
+            entry.tag |= _SEEN | (_TIP if entry.hits == 0 and self.index is not None
+                                  and entry.last_access == self.index.clock else 0)
+        c = block_class(entry)
+        item = [entry.last_access, next(self._seq), entry, c]
+        entry.handles[self.tier] = item
+        heapq.heappush(self._heaps[c], item)
+        self._size += 1
+
+    def discard(self, entry: Entry) -> None:
+        """Unlist ``entry`` (pinned, or no longer a leaf)."""
+        item = entry.handles[self.tier]
+        if item is not None:
+            item[2] = None
+            entry.handles[self.tier] = None
+            self._size -= 1
+            heap = self._heaps[item[3]]
+            if len(heap) > 64 and len(heap) > 4 * self._size:
+                self._heaps[item[3]] = [i for i in heap if i[2] is not None]
+                heapq.heapify(self._heaps[item[3]])
+
+    def touch(self, entry: Entry) -> None:
+        """``entry`` was used while listed: re-list it under its new age and class."""
+        self.discard(entry)
+        self.add(entry)
+
+    def pop(self) -> Entry | None:
+        """Unlist and return the listed leaf of lowest density × benefit (None if none)."""
+        now = self.index.clock if self.index is not None else 0
+        best = None
+        best_score = 0.0
+        benefit = self._benefit
+        density = self.density
+        for c, heap in enumerate(self._heaps):
+            while heap and heap[0][2] is None:
+                heapq.heappop(heap)
+            if not heap:
+                continue
+            item = heap[0]
+            age = now - item[0]
+            bl = age.bit_length()
+            b = bl if bl < 2 else 2 * bl - 2 + ((age >> (bl - 2)) & 1)
+            depth = item[2].depth
+            factor = benefit[depth] if depth < len(benefit) else self._benefit_at(depth)
+            score = density[c][b if b < BINS else BINS - 1] * factor
+            if best is None or score < best_score or (score == best_score and item[0] < best[0]):
+                best, best_score = item, score
+        if best is None:
+            return None
+        heapq.heappop(self._heaps[best[3]])
+        entry = best[2]
+        entry.handles[self.tier] = None
+        self._size -= 1
+        self._bury(entry, best[3], best[0], now)
+        self._events += 1
+        if self._events >= self._period:
+            self._update()
+        return entry
