@@ -114,6 +114,8 @@ def test_multimodal_and_embedding_requests_are_never_looked_up_or_saved(engine):
     image = MultiModalFeatureSpec(data=None, modality="image", identifier="img-0",
                                   mm_position=PlaceholderRange(offset=4, length=8), mm_hash="img-0")
     assert matched(e, request("mm", p, mm_features=[image])) == 0
+    # Prompt embeddings (vLLM keeps the ids as placeholders): the KV is not the ids' KV either.
+    assert matched(e, request("emb", p, prompt_embeds=torch.zeros(len(p), 64))) == 0
     fresh = prompt(74, 2 * BLOCK + 1)
     mm = request("mm-run", fresh, mm_features=[image])
     e.connector.on_new_request(mm)
