@@ -2,8 +2,8 @@
 
 memcpy_{put,get}_gbps   the best of torch copy_ (one thread), ctypes.memmove and numpy.copyto, per block and
                         in one call, between prefaulted buffers of the same size (into a never-read buffer
-                        like the slab for put; out of one into the junk-filled destination for get): the
-                        method fastest in the median round, at its best round
+                        like the slab for put; out of one into the junk-filled destination for get): all
+                        of them run in every round, the floor is the one with the fastest median round
 odirect_write_gbps      O_DIRECT pwritev of the same batches in the runs the tier writes + one fdatasync per batch
 odirect_read_gbps       O_DIRECT preadv of the same blocks in the same coalesced runs the tier reads
 odirect_read_frag_gbps  the same when the blocks sit in scattered slots (one preadv per block, as the tier reads them)
@@ -42,7 +42,6 @@ from tierkv.tiers.host import HostTier  # noqa: E402
 LAYOUT = KVLayout(num_layers=16, num_kv_heads=8, head_dim=64, block_size=16, dtype="float16")  # 512 KiB
 BATCH = 32  # blocks per tier call (a 512-token prompt of 16-token blocks)
 JUNK = 0x5A5A
-CALIBRATION_ROUNDS = 3
 
 
 def prefaulted(n: int) -> torch.Tensor:
@@ -214,20 +213,10 @@ def run(n: int, rounds: int, work: str) -> dict:
         out = fn()
         return time.perf_counter() - t0, out
 
-    # Calibration: which copy method is the floor on this machine (fastest in the median round).
+    # Every copy method runs in every round; the floor is the one fastest over the timed rounds
+    # (the median round), chosen afterwards: a few calibration rounds on a busy host picked a
+    # method that then ran slower than the tier's own memmove.
     cands_put, cands_get = memcpy_candidates(spare, src), memcpy_candidates(dst, spare)
-    calib: dict[str, list[float]] = {}
-    for _ in range(CALIBRATION_ROUNDS):
-        for how, fn in cands_put.items():
-            calib.setdefault(f"put:{how}", []).append(timed(fn)[0])
-        for how, fn in cands_get.items():
-            spare.copy_(src)
-            junk()
-            calib.setdefault(f"get:{how}", []).append(timed(fn)[0])
-            verify(f"memcpy {how}", [True])
-    cal = {k: statistics.median(v) for k, v in calib.items()}
-    best_put = min((k for k in cal if k.startswith("put:")), key=cal.get).split(":")[1]
-    best_get = min((k for k in cal if k.startswith("get:")), key=cal.get).split(":")[1]
 
     state = {"l3": None}
 
@@ -240,15 +229,17 @@ def run(n: int, rounds: int, work: str) -> dict:
             raise SystemExit("l3 put refused blocks")
         state["l3"] = which
 
-    def floor_put():
-        return timed(cands_put[best_put])[0]
+    def floor_put() -> dict[str, float]:
+        return {how: timed(fn)[0] for how, fn in cands_put.items()}
 
-    def floor_get():
+    def floor_get() -> dict[str, float]:
         spare.copy_(src)
-        junk()
-        s = timed(cands_get[best_get])[0]
-        verify(f"memcpy {best_get}", [True])
-        return s
+        out = {}
+        for how, fn in cands_get.items():
+            junk()
+            out[how] = timed(fn)[0]
+            verify(f"memcpy {how}", [True])
+        return out
 
     def tier_l2_put():
         host.remove(keys)
@@ -330,11 +321,15 @@ def run(n: int, rounds: int, work: str) -> dict:
     disk.close()
     floor_names = {"l2_put": "memcpy_put", "l2_get": "memcpy_get", "l3_put": "odirect_write",
                    "l3_get": "odirect_read", "l3_get_frag": "odirect_read_frag"}
-    out = {
-        "blocks": n, "block_bytes": bb, "batch": BATCH, "rounds": rounds, "direct_io": disk.direct,
-        "memcpy_put_best": best_put, "memcpy_get_best": best_get,
-        "memcpy_candidates_gbps": {k: round(gbps(nbytes, v), 3) for k, v in cal.items()},
-    }
+    out = {"blocks": n, "block_bytes": bb, "batch": BATCH, "rounds": rounds, "direct_io": disk.direct,
+           "memcpy_candidates_gbps": {}}
+    for name, side in (("l2_put", "put"), ("l2_get", "get")):
+        per_how = {how: [r[how] for r in floor_s[name]] for how in floor_s[name][0]}
+        best = min(per_how, key=lambda how: statistics.median(per_how[how]))
+        out[f"memcpy_{side}_best"] = best
+        out["memcpy_candidates_gbps"].update(
+            {f"{side}:{how}": round(gbps(nbytes, statistics.median(v)), 3) for how, v in per_how.items()})
+        floor_s[name] = per_how[best]
     for name, fl in floor_names.items():
         out[f"{fl}_gbps"] = round(gbps(nbytes, min(floor_s[name])), 3)
         out[f"{name}_gbps"] = round(gbps(nbytes, min(tier_s[name])), 3)

@@ -248,29 +248,21 @@ def run(n: int, rounds: int, work: str, loop) -> dict:
         return out
 
     # -- contenders: each returns its timed seconds, with untimed set-up and checks around it ---------
+    # Every copy method runs in every round; the floor is the one with the fastest median round.
     cands_put, cands_get = memcpy_candidates(spare, src), memcpy_candidates(dst, spare)
-    calib = {}
-    for _ in range(3):
-        for how, fn in cands_put.items():
-            calib.setdefault(("put", how), []).append(timed(fn)[0])
-        spare.copy_(src)
-        for how, fn in cands_get.items():
-            junk()
-            calib.setdefault(("get", how), []).append(timed(fn)[0])
-    cal = {k: statistics.median(v) for k, v in calib.items()}
-    best_put = min((k for k in cal if k[0] == "put"), key=cal.get)[1]
-    best_get = min((k for k in cal if k[0] == "get"), key=cal.get)[1]
     contig = list(range(n))  # the tier's slots after a remove-all: consecutive from 0
 
-    def floor_l2_put():
-        return timed(cands_put[best_put])[0]
+    def floor_l2_put() -> dict[str, float]:
+        return {how: timed(fn)[0] for how, fn in cands_put.items()}
 
-    def floor_l2_get():
+    def floor_l2_get() -> dict[str, float]:
         spare.copy_(src)
-        junk()
-        s = timed(cands_get[best_get])[0]
-        verify("memcpy floor", None)
-        return s
+        out = {}
+        for how, fn in cands_get.items():
+            junk()
+            out[how] = timed(fn)[0]
+            verify(f"memcpy {how}", None)
+        return out
 
     def floor_l3_put():
         def go():
@@ -367,6 +359,11 @@ def run(n: int, rounds: int, work: str, loop) -> dict:
     lmc_buf.close()
     disk.close()
     os.close(fd)
+    best = {}
+    for op in ("l2_put", "l2_get"):
+        per_how = {how: [r[how] for r in times["floor"][op]] for how in times["floor"][op][0]}
+        best[op] = min(per_how, key=lambda how: statistics.median(per_how[how]))
+        times["floor"][op] = per_how[best[op]]
 
     def ratio(a: str, b: str, op: str) -> float:
         return round(statistics.median(tb / ta for ta, tb in zip(times[a][op], times[b][op])), 3)
@@ -375,7 +372,7 @@ def run(n: int, rounds: int, work: str, loop) -> dict:
         "blocks": n, "block_bytes": bb, "batch": BATCH, "rounds": rounds, "lmcache_version": lmcache.__version__
         if hasattr(lmcache, "__version__") else "0.5.6", "direct_io": disk.direct,
         "gbps": {name: {op: round(gbps(nbytes, min(v)), 3) for op, v in ops.items()} for name, ops in times.items()},
-        "floor_what": {"l2_put": f"memcpy ({best_put})", "l2_get": f"memcpy ({best_get})",
+        "floor_what": {"l2_put": f"memcpy ({best['l2_put']})", "l2_get": f"memcpy ({best['l2_get']})",
                        "l3_put": "O_DIRECT pwritev + fdatasync per batch", "l3_get": "O_DIRECT preadv, the tier's runs"},
     }
     for op in OPS:
