@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
 
 import pytest
@@ -293,3 +294,32 @@ def test_ghosts_are_bounded_by_the_tier_size():
 
 def test_age_bins_are_half_octaves():
     assert [age_bin(a) for a in (0, 1, 2, 3, 4, 5, 6, 7, 8, 11, 12, 16)] == [0, 1, 2, 3, 4, 4, 5, 5, 6, 6, 7, 8]
+
+
+@pytest.mark.parametrize("name", ["lru", "hit_density"])
+def test_save_chain_is_the_add_and_pin_loop(name):
+    # Random requests over a shared prefix tree, saved either block by block or as one
+    # chain; the indexes, their pins and the policies' eviction orders must agree.
+    rng = random.Random(3)
+    a, b = index_with(name), index_with(name)
+    for _ in range(300):
+        path = [f"{rng.randrange(3)}{rng.randrange(2) if d > 1 else 0}" for d in range(rng.randrange(1, 7))]
+        keys = [hashlib.blake2b("/".join(path[: i + 1]).encode(), digest_size=16).digest() for i in range(len(path))]
+        for index in (a, b):
+            hit = index.match(keys)
+            held = [index.get(key) for key in keys[: len(hit)]]
+            index.pin(held)
+            index.touch(held)
+            if index is a:
+                new = index.save_chain(keys, len(hit), L1)
+            else:
+                new, parent = [], keys[len(hit) - 1] if hit else None
+                for depth in range(len(hit), len(keys)):
+                    new.append(index.add(keys[depth], parent, depth, L1, pin=True))
+                    parent = keys[depth]
+            while index.counts[L1] > 12:
+                index.drop(index.victim(L1).key, L1)
+            index.unpin(held + new)
+    assert a.counts == b.counts and sorted(e.key for e in a.entries()) == sorted(e.key for e in b.entries())
+    assert all(e.ref_count == 0 for e in a.entries())
+    assert drain(a) == drain(b)

@@ -183,7 +183,7 @@ class Replayer:
         if self.future is not None:
             return self._run_oracle(requests, multi)
         index, cost = self.index, self.cost
-        match, get, add = index.match, index._entries.get, index.add
+        match, get, save_chain = index.match, index._entries.get, index.save_chain
         pin, unpin, touch = index.pin, index.unpin, index.touch
         top = LOCAL_TIERS[0]
         cap_top = self.capacities[top]
@@ -210,17 +210,7 @@ class Replayer:
             touch(entries)
             # One tier evicts leaves only, so nothing past the first miss is cached there:
             # start at the miss. Across tiers a matched block may still need promoting.
-            start = 0 if multi else len(tiers)
-            parent = keys[start - 1] if start else None
-            for depth in range(start, len(keys)):
-                key = keys[depth]
-                entry = get(key)
-                if entry is None or not entry.mask & 1:
-                    unpinned = entry is None or entry.ref_count == 0
-                    entry = add(key, parent, depth, top, pin=unpinned)
-                    if unpinned:
-                        entries.append(entry)
-                parent = key
+            entries += save_chain(keys, 0 if multi else len(tiers), top)
             if multi:
                 while counts[top] > cap_top and self._evict(top):
                     pass

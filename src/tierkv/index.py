@@ -190,6 +190,58 @@ class PrefixIndex:
                 policy.add(entry)
         return entry
 
+    def save_chain(self, keys: Sequence[bytes], start: int, tier: int) -> list[Entry]:
+        """``add(keys[i], keys[i - 1], i, tier, pin=True)`` for each ``i >= start`` that ``tier`` lacks.
+
+        The request's blocks as one call (the hot path of a save). A block this
+        call pins is pinned once whatever its tier; one pinned already (by the
+        caller's lookup) is not pinned again. Returns the entries it pinned, for
+        the caller to ``unpin`` when the request ends.
+        """
+        entries, uncached, policies = self._entries, self._uncached_parents, self.policies
+        bit, clock, admit, policy = 1 << tier, self.clock, self._admits[tier], self.policies[tier]
+        counts = self.counts
+        pinned: list[Entry] = []
+        parent = keys[start - 1] if start else None
+        parent_entry = None if parent is None else (entries.get(parent) or uncached.get(parent))
+        for depth in range(start, len(keys)):
+            key = keys[depth]
+            entry = entries.get(key)
+            if entry is None:
+                entry = uncached.pop(key, None)
+                if entry is None:
+                    entry = Entry(key, parent, depth)
+                else:
+                    entry.parent, entry.depth = parent, depth
+                entry.last_access = clock
+                entries[key] = entry
+            elif entry.mask & bit:
+                parent, parent_entry = key, entry
+                continue
+            if entry.ref_count == 0:
+                entry.ref_count = 1
+                handles = entry.handles
+                for t in LOCAL_TIERS:
+                    if handles[t] is not None:
+                        policies[t].discard(entry)
+                pinned.append(entry)
+            entry.mask |= bit
+            entry.best = _BEST[entry.mask]
+            counts[tier] += 1
+            if admit is not None:
+                admit(entry)
+            if self.events is not None:
+                self.events.stored(key, tier)
+            if parent is not None:
+                if parent_entry is None:
+                    parent_entry = uncached[parent] = Entry(parent, None, max(depth - 1, 0))
+                children = parent_entry.children
+                children[tier] += 1
+                if children[tier] == 1 and parent_entry.handles[tier] is not None:
+                    policy.discard(parent_entry)
+            parent, parent_entry = key, entry
+        return pinned
+
     def drop(self, key: bytes, tier: int) -> Entry | None:
         """Record that ``tier`` no longer holds ``key``; forget the block when no tier does."""
         entry = self._entries.get(key)

@@ -60,6 +60,8 @@ _DECAY = 0.95
 # Ghosts kept per block of the tier (keys of victims, with class and last use):
 # they let the densities see ages past the tier's own eviction age.
 GHOST_FACTOR = 4
+# Scale of the density given to ages past a class's last observed hit.
+_FLOOR = 1e-6
 # Pseudo-events of the pooled (all-class) histograms added to each class's.
 _PRIOR_EVENTS = 16.0
 
@@ -200,6 +202,13 @@ class HitDensityPolicy(EvictionPolicy):
                     alive_after += ending
                     hits_after += hits[b]
                     density[b] = hits_after / time_after if time_after > 0 else 0.0
+                # Past the last hit seen, no age tells blocks apart: order them by what
+                # their class earns overall (far below any density seen), oldest first.
+                floor = _FLOOR * density[0]
+                for b in range(BINS - 1, -1, -1):
+                    if density[b] > 0.0:
+                        break
+                    density[b] = floor
         for hist in (*self.hit_hist, *self.end_hist):
             for b in range(BINS):
                 hist[b] *= _DECAY
