@@ -1,10 +1,13 @@
 """The serving loop: one thread owns the LLM and batches every in-flight HTTP request.
 
-Handler threads ``submit`` a request and read its ``Request.outputs`` queue;
-the loop thread drains its inbox between steps (new sequences go to the
-scheduler, cancelled ones are aborted), runs ``LLM.step()``, and pushes each
-request's progress: a streaming request gets one ``Output`` per new token,
-every request gets its final ``Output`` (the one with a ``finish_reason``).
+Callers ``submit`` a request and read what the loop delivers to it (its
+``Request.outputs`` queue, or the ``sink`` callback they passed, e.g. one that
+hands items to an asyncio loop); the loop thread drains its inbox between
+steps (new sequences go to the scheduler, cancelled ones are aborted), runs
+``LLM.step()``, and delivers each request's progress: a streaming request
+gets a ``TokenDelta`` per step that gave it tokens (ids only: decoding is the
+receiver's job, off the engine thread), every request gets its final
+``Output`` (the one with a ``finish_reason``).
 An exception from the engine fails the requests in flight (their queues get
 the exception, their blocks go back to the store) and the loop serves the
 next ones.
@@ -30,19 +33,34 @@ class EngineStopped(RuntimeError):
     """The loop is stopping (server shutdown) or has stopped: the request was not run."""
 
 
+@dataclass(frozen=True)
+class TokenDelta:
+    """Tokens a streaming request got since its previous delivery."""
+
+    token_ids: list[int]
+
+
 @dataclass(eq=False)
 class Request:
-    """One submitted request. ``outputs`` receives Outputs and, at most once, an exception; the last item
-    is the final Output or the exception. Written by the loop thread, read by the submitting thread."""
+    """One submitted request. It receives TokenDeltas (streaming), then its final Output or, at most once,
+    an exception: into ``outputs``, or through ``sink(item)`` when one is given (called on the loop thread;
+    it must not block). Written by the loop thread, read by the submitter."""
 
     prompt: Any
     params: SamplingParams
     namespace: str | None
     stream: bool
+    sink: Callable[[Any], None] | None = None
     outputs: queue.Queue = field(default_factory=queue.Queue)
     seq: Sequence | None = None
     sent: int = 0
     cancelled: bool = False
+
+    def put(self, item) -> None:
+        if self.sink is not None:
+            self.sink(item)
+        else:
+            self.outputs.put(item)
 
 
 @dataclass
@@ -98,23 +116,33 @@ class EngineLoop:
             s = self._batch
             return {"steps": s.steps, "max_batch": s.max_batch, "avg_batch": s.avg_batch, "aborted": s.aborted}
 
-    def submit(self, prompt, params: SamplingParams, namespace: str | None, stream: bool) -> Request:
+    def submit(self, prompt, params: SamplingParams, namespace: str | None, stream: bool,
+               sink: Callable[[Any], None] | None = None) -> Request:
         """Queue a request for the next step; thread-safe. EngineStopped once ``stop`` was called."""
         if self._stopping.is_set():
             raise EngineStopped("the server is shutting down")
-        req = Request(prompt, params, namespace, stream)
+        req = Request(prompt, params, namespace, stream, sink)
         self._inbox.put(req)
         return req
 
     def next_output(self, req: Request):
-        """The next item of ``req.outputs`` (an Output or an exception); EngineStopped if the loop ended
-        without answering. Called by the submitting thread."""
+        """The next item of ``req.outputs`` (a TokenDelta, an Output or an exception); EngineStopped if the
+        loop ended without answering. Called by the submitting thread (for requests without a sink)."""
         while True:
             try:
                 return req.outputs.get(timeout=0.5)
             except queue.Empty:
                 if not self._thread.is_alive() and req.outputs.empty():
                     return EngineStopped("the server stopped before this request finished")
+
+    def gauges(self) -> dict:
+        """Requests in the engine now and what they hold: ``sequences`` (admitted, not finished),
+        ``pinned_blocks`` (index entries with a reference; 0 when idle), ``free_l1_blocks``. Takes ``lock``
+        (waits for the current step); call from any thread but the loop's."""
+        with self.lock:
+            store = self.llm.store
+            pinned = sum(1 for e in store.index.entries() if e.ref_count)
+            return {"sequences": len(self._active), "pinned_blocks": pinned, "free_l1_blocks": store.l1.num_free}
 
     def cancel(self, req: Request) -> None:
         """Abort ``req`` (its client went away); its blocks go back to the store. Thread-safe, idempotent."""
@@ -161,7 +189,7 @@ class EngineLoop:
             if req.cancelled:
                 self._abort(req)
             elif self._stopping.is_set() and self._deadline_passed.is_set():
-                req.outputs.put(EngineStopped("the server is shutting down"))
+                req.put(EngineStopped("the server is shutting down"))
             else:
                 self._admit(req)
 
@@ -169,10 +197,10 @@ class EngineLoop:
         try:
             req.seq = self.llm._sequence(req.prompt, req.params, req.namespace)
         except ValueError as exc:
-            req.outputs.put(PromptRejected(str(exc)))
+            req.put(PromptRejected(str(exc)))
             return
         except Exception as exc:
-            req.outputs.put(exc)
+            req.put(exc)
             return
         with self.lock:
             self.llm.scheduler.add(req.seq)
@@ -209,13 +237,14 @@ class EngineLoop:
                     try:
                         self.on_finish(out, req.namespace)
                     except Exception as exc:
-                        req.outputs.put(exc)
+                        req.put(exc)
                         continue
-                req.outputs.put(out)
+                req.put(out)
             else:
-                if req.stream and len(seq.output_ids) > req.sent:
-                    req.sent = len(seq.output_ids)
-                    req.outputs.put(llm._output(seq))
+                n = len(seq.output_ids)
+                if req.stream and n > req.sent:
+                    req.put(TokenDelta(seq.token_ids[seq.num_prompt_tokens + req.sent:]))
+                    req.sent = n
                 still.append(req)
         self._active = still
 
@@ -223,5 +252,5 @@ class EngineLoop:
         """Fail ``reqs`` with ``exc`` and give every admitted block back (the scheduler may be mid-step)."""
         self.llm.scheduler.abort_all()
         for req in reqs:
-            req.outputs.put(exc)
+            req.put(exc)
         self._active = []

@@ -29,10 +29,19 @@ class Tokenizer:
     def is_bytes(self) -> bool:
         return self._tok is None
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``; ``add_special_tokens=False`` skips the post-processor's BOS/EOS (for text a
+        chat template rendered, which wrote its special tokens already)."""
         if self._tok is None:
             return list(text.encode("utf-8"))
-        return self._tok.encode(text).ids
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def token_id(self, token: str) -> int | None:
+        """The id of one vocabulary entry (e.g. ``"<|im_end|>"``), None when it is not one token."""
+        if self._tok is None:
+            data = token.encode("utf-8")
+            return data[0] if len(data) == 1 else None
+        return self._tok.token_to_id(token)
 
     def decode(self, ids: list[int]) -> str:
         if self._tok is None:

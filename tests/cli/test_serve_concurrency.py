@@ -21,8 +21,9 @@ from cli_helpers import tiny_model  # noqa: F401  (fixture)
 from tierkv.config import L2Config, StoreConfig
 from tierkv.engine.config import EngineConfig
 from tierkv.engine.llm import LLM
-from tierkv.engine.server import EngineServer, RequestError, ServerConfig
 from tierkv.engine.sampler import SamplingParams
+from tierkv.engine.server import EngineServer, ServerConfig
+from tierkv.engine.serving import EngineStopped
 from tierkv.index import Tier
 
 NUM_BLOCKS = 96
@@ -45,7 +46,7 @@ def server(llm):
 
 
 def post(server, body: dict, path: str = "/v1/completions"):
-    conn = http.client.HTTPConnection(*server.httpd.server_address[:2], timeout=60)
+    conn = http.client.HTTPConnection(*server.address, timeout=60)
     conn.request("POST", path, body=json.dumps({"model": "tiny", **body}))
     resp = conn.getresponse()
     out = json.loads(resp.read())
@@ -56,7 +57,7 @@ def post(server, body: dict, path: str = "/v1/completions"):
 def read_events(resp) -> list[dict]:
     events = []
     while True:
-        line = resp.fp.readline()
+        line = resp.readline()
         assert line, "stream ended without [DONE]"
         if not line.strip():
             continue
@@ -67,8 +68,9 @@ def read_events(resp) -> list[dict]:
 
 
 def stream(server, body: dict) -> list[dict]:
-    conn = http.client.HTTPConnection(*server.httpd.server_address[:2], timeout=60)
-    conn.request("POST", "/v1/completions", body=json.dumps({"model": "tiny", "stream": True, **body}))
+    conn = http.client.HTTPConnection(*server.address, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({"model": "tiny", "stream": True,
+                                                             "stream_options": {"include_usage": True}, **body}))
     resp = conn.getresponse()
     assert resp.status == 200
     events = read_events(resp)
@@ -111,13 +113,15 @@ def test_concurrent_requests_are_batched_and_match_one_at_a_time(server):
     for (s1, a), (s2, b) in zip(alone, batched):
         assert s1 == s2 == 200
         assert b["choices"][0]["text"] == a["choices"][0]["text"]
-        assert b["usage"] == a["usage"] and b["usage"]["completion_tokens"] == a["usage"]["completion_tokens"]
+        assert b["usage"]["prompt_tokens"] == a["usage"]["prompt_tokens"]
+        assert b["usage"]["completion_tokens"] == a["usage"]["completion_tokens"]
+        assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == (a["usage"]["prompt_tokens"] - 1) // 16 * 16
     stats = server.stats()["batch"]
     assert stats["max_batch"] == len(bodies) and stats["avg_batch"] > 1
-    conn = http.client.HTTPConnection(*server.httpd.server_address[:2], timeout=60)
+    conn = http.client.HTTPConnection(*server.address, timeout=60)
     conn.request("GET", "/metrics")
     text = conn.getresponse().read().decode()
-    assert f"tierkv_engine_batch_size_max {len(bodies)}" in text.splitlines()
+    assert f"tierkv_engine_batch_size_max {len(bodies)}.0" in text.splitlines()
     assert_engine_idle(server)
 
 
@@ -126,10 +130,11 @@ def test_concurrent_streams_each_get_their_own_tokens_in_order(server):
     alone = [post(server, b)[1] for b in bodies]
     results = together(server, len(bodies), [lambda b=b: stream(server, b) for b in bodies])
     for body, ref, events in zip(bodies, alone, results):
-        assert len(events) == body["max_tokens"]
+        usage = events.pop()["usage"]
+        assert 1 < len(events) <= body["max_tokens"]
         assert [e["choices"][0]["finish_reason"] for e in events] == [None] * (len(events) - 1) + ["length"]
         assert "".join(e["choices"][0]["text"] for e in events) == ref["choices"][0]["text"]
-        assert events[-1]["usage"] == ref["usage"]
+        assert usage["completion_tokens"] == ref["usage"]["completion_tokens"] == body["max_tokens"]
     assert server.stats()["batch"]["max_batch"] >= len(bodies)
     assert_engine_idle(server)
 
@@ -141,7 +146,7 @@ def test_a_client_leaving_mid_stream_aborts_only_its_own_sequence(server):
         "{", '{"stream": true, ', 1).encode()
 
     def leave():
-        with socket.create_connection(server.httpd.server_address[:2], timeout=60) as s:
+        with socket.create_connection(server.address, timeout=60) as s:
             s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
                       % (len(leaver_body), leaver_body))
             seen = b""
@@ -152,9 +157,10 @@ def test_a_client_leaving_mid_stream_aborts_only_its_own_sequence(server):
         return seen
 
     seen, batched = together(server, 2, [leave, lambda: post(server, other)])
-    assert seen.startswith(b"HTTP/1.0 200")
+    assert seen.startswith(b"HTTP/1.1 200")
     assert alone[0] == batched[0] == 200
-    assert batched[1]["choices"] == alone[1]["choices"] and batched[1]["usage"] == alone[1]["usage"]
+    assert batched[1]["choices"] == alone[1]["choices"]
+    assert batched[1]["usage"]["completion_tokens"] == alone[1]["usage"]["completion_tokens"]
     deadline = time.monotonic() + 20
     while server.loop.batch_stats()["aborted"] < 1:  # noticed at its next write after the close
         assert time.monotonic() < deadline, "the leaver was never aborted"
@@ -184,18 +190,18 @@ def test_an_engine_error_fails_the_requests_in_flight_and_the_server_keeps_servi
 
 def test_shutdown_lets_the_stream_in_flight_finish_and_stops_the_loop_thread(llm):
     server = EngineServer(llm, ServerConfig(port=0, model_name="tiny")).start()
-    conn = http.client.HTTPConnection(*server.httpd.server_address[:2], timeout=60)
-    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPTS[2], "max_tokens": 200, "stream": True}))
+    conn = http.client.HTTPConnection(*server.address, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPTS[2], "max_tokens": 200, "stream": True,
+                                                             "stream_options": {"include_usage": True}}))
     resp = conn.getresponse()
-    assert resp.fp.readline().startswith(b"data: ")  # the request is in flight
+    assert resp.readline().startswith(b"data: ")  # the request is in flight
     stopper = threading.Thread(target=server.shutdown)
     stopper.start()
     events = read_events(resp)
     conn.close()
     stopper.join(30)
     assert not stopper.is_alive() and not server.loop.running
-    assert events[-1]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"]["completion_tokens"] == 200
-    with pytest.raises(RequestError) as exc:
-        server.generate("too late", SamplingParams(max_tokens=2), None)
-    assert exc.value.status == 503
+    assert events[-2]["choices"][0]["finish_reason"] == "length" and events[-1]["usage"]["completion_tokens"] == 200
+    with pytest.raises(EngineStopped):
+        server.loop.submit([1, 2, 3], SamplingParams(max_tokens=2), None, stream=False)
     assert not llm.scheduler.has_work()

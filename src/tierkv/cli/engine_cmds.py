@@ -23,11 +23,12 @@ Model = Annotated[str, typer.Option("--model", "-m", help=MODEL_HELP)]
 Threads = Annotated[int, typer.Option("--threads", min=0, help="torch threads for the model (0: torch's default).")]
 
 
-def open_llm(s, model: Path, num_blocks: int, threads: int, max_model_len: int = 0):
+def open_llm(s, model: Path, num_blocks: int, threads: int, max_model_len: int = 0, enable_cache: bool = True):
     """The engine over model directory ``model`` (see ``model_path``) with this command's store config."""
     from tierkv.engine import LLM, EngineConfig
 
-    return LLM(model, s.config, EngineConfig(num_blocks=num_blocks, num_threads=threads, max_model_len=max_model_len))
+    return LLM(model, s.config, EngineConfig(num_blocks=num_blocks, num_threads=threads, max_model_len=max_model_len),
+               enable_cache=enable_cache)
 
 
 class Recorder:
@@ -142,23 +143,28 @@ def warm_cmd(
                       + f" in {report['seconds']:.1f} s")
 
 
-@app.command("serve", epilog="Example: `tierkv serve --model smollm2-135m-instruct --port 8000`, then "
-                             "`curl localhost:8000/v1/completions -d '{\"prompt\": \"Hello\", \"max_tokens\": 8}'`")
+@app.command("serve", epilog="Example: `tierkv serve --model smollm2-135m-instruct --port 8000`, then any "
+                             "OpenAI client on http://127.0.0.1:8000/v1 (see docs/cli.md)")
 def serve_cmd(
     model: Model,
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
     port: Annotated[int, typer.Option("--port", "-p", min=0, max=65535, help="Port (0 picks a free one).")] = 8000,
     served_model_name: Annotated[str | None, typer.Option("--served-model-name", help="Model id clients must send [default: the directory name].")] = None,
+    chat_template: Annotated[str | None, typer.Option("--chat-template", help="A jinja2 chat template file (or its text) "
+                             "instead of the model's own.")] = None,
     max_body: Annotated[str, typer.Option("--max-body", help="Largest request body accepted (413 above).")] = "1MiB",
     max_tokens: Annotated[int, typer.Option("--max-tokens-limit", min=1, help="Largest max_tokens a request may ask.")] = 4096,
     num_blocks: Annotated[int, typer.Option("--num-blocks", min=1, help="L1 pool size in blocks.")] = 1024,
     max_model_len: Annotated[int, typer.Option("--max-model-len", min=0, help="Longest sequence (0: the model's).")] = 0,
     threads: Threads = 0,
+    cache: Annotated[bool, typer.Option("--cache/--no-cache", help="Look prompts up in the store and save their "
+                                        "blocks (--no-cache: recompute every prompt, L1 is only the KV pool).")] = True,
     persist: Annotated[bool, typer.Option("--persist/--no-persist", help="Copy each request's blocks to L3 as it "
                                           "finishes, so a restarted server hits them.")] = True,
     cache_dir: CacheDir = None, config: ConfigFile = None, debug: Debug = False,
 ) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API with /metrics (Prometheus) and /health."""
+    from tierkv.engine.chat_template import ChatTemplate, ChatTemplateError
     from tierkv.engine.server import EngineServer, ServerConfig
 
     s = settings(cache_dir, config, debug)
@@ -166,13 +172,16 @@ def serve_cmd(
     try:
         server_config = ServerConfig(host, port, served_model_name or model_dir.resolve().name,
                                      parse_size(max_body, "--max-body"), max_tokens)
+        template = ChatTemplate.from_model_dir(model_dir, chat_template)
+    except ChatTemplateError as exc:
+        raise CLIError(f"--chat-template: {exc}", 2) from None
     except ValueError as exc:
         raise CLIError(str(exc), 2) from None
-    llm = open_llm(s, model_dir, num_blocks, threads, max_model_len)
+    llm = open_llm(s, model_dir, num_blocks, threads, max_model_len, enable_cache=cache)
     recorder = Recorder(llm, persist)
     name = server_config.model_name
     try:
-        server = EngineServer(llm, server_config, on_request=recorder)
+        server = EngineServer(llm, server_config, on_request=recorder, model_dir=model_dir, chat_template=template)
     except OSError as exc:
         recorder.close()
         llm.close()
@@ -182,17 +191,16 @@ def serve_cmd(
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, stop)
-    console.print(f"tierkv serve: model {name} at {server.url} (L3 {s.l3_path if llm.store.l3 else 'off'}); "
-                  "Ctrl-C to stop", soft_wrap=True)
+    l3 = s.l3_path if llm.store.l3 else "off"
+    chat = "its own chat template" if template is not None and chat_template is None else (
+        "--chat-template" if template is not None else "no chat template: /v1/chat/completions answers 400")
+    console.print(f"tierkv serve: model {name} at {server.url} (L3 {l3}; {chat}); Ctrl-C to stop", soft_wrap=True)
     try:
-        server.serve_forever()
+        server.serve_forever()  # returns after SIGINT/SIGTERM, once the requests in flight are done
     except KeyboardInterrupt:
-        err_console.print("stopping")
+        pass
     finally:
-        server.httpd.server_close()
-        # let a request that is generating finish (bounded) before the engine goes away under it
-        held = server.engine_lock.acquire(timeout=30)
-        recorder.close()
-        llm.close()
-        if held:
-            server.engine_lock.release()
+        err_console.print("stopping")
+        with server.engine_lock:  # the engine loop has stopped; nothing else touches the LLM
+            recorder.close()
+            llm.close()

@@ -1,0 +1,142 @@
+"""The HTTP routes: OpenAI's /v1/completions, /v1/chat/completions, /v1/models; /tokenize; /health; /metrics.
+
+Every route reads the shared state from ``request.app.state.server`` (an
+``EngineServer``: its ``client``, ``config``, ``metrics``); ``state(request)``
+is the one accessor. A new route is a function on ``router`` (or on an
+``APIRouter`` of its own passed to ``EngineServer(routers=...)``) with a
+pydantic body model; raise ``RequestError`` to refuse.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from tierkv.engine.sequence import Output
+from tierkv.engine.server import protocol
+from tierkv.engine.server.errors import RequestError
+from tierkv.engine.server.metrics import CONTENT_TYPE
+from tierkv.engine.server.protocol import ChatRequest, CompletionRequest, TokenizeRequest
+from tierkv.engine.server.streaming import DONE, EventStream, IncrementalDecoder, sse, until_disconnect
+from tierkv.engine.serving import TokenDelta
+
+router = APIRouter()
+
+
+def state(request: Request):
+    """The EngineServer serving this request."""
+    return request.app.state.server
+
+
+def _check_model(server, model: str | None) -> None:
+    if model is not None and model != server.config.model_name:
+        raise RequestError(404, f"model: {model!r} is not served here; try {server.config.model_name!r}",
+                           "model", "model_not_found")
+
+
+@router.get("/health")
+async def health(request: Request) -> dict:
+    if not state(request).loop.running:
+        raise RequestError(503, "the engine loop has stopped", kind="server_error", code="engine_stopped")
+    return {"status": "ok"}
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    server = state(request)
+    return {"object": "list", "data": [{"id": server.config.model_name, "object": "model",
+                                        "created": int(server.started), "owned_by": "tierkv",
+                                        "max_model_len": server.llm.max_model_len}]}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(await run_in_threadpool(state(request).metrics_text), media_type=CONTENT_TYPE)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    """The prompt token ids a completion (``prompt``) or chat (``messages``) request would run on."""
+    server = state(request)
+    _check_model(server, body.model)
+    client = server.client
+    if (body.prompt is None) == (body.messages is None):
+        raise RequestError(400, "prompt, messages: give exactly one of them", "prompt")
+    if body.messages is not None:
+        if body.add_special_tokens:
+            raise RequestError(400, "add_special_tokens: the chat template writes the special tokens; "
+                                    "leave it unset or false with messages", "add_special_tokens")
+        msgs = [m.as_dict() for m in body.messages]
+        ids = await run_in_threadpool(client.chat_ids, msgs, body.add_generation_prompt)
+    else:
+        add = True if body.add_special_tokens is None else body.add_special_tokens
+        ids = await run_in_threadpool(client.completion_ids, body.prompt, add)
+    return {"count": len(ids), "max_model_len": server.llm.max_model_len, "tokens": ids}
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request):
+    server = state(request)
+    _check_model(server, body.model)
+    body.check_supported()
+    params = body.sampling_params(server.config.max_tokens_limit, server.client.stop_ids)
+    ids = await run_in_threadpool(server.client.completion_ids, body.prompt_value())
+    return await _generate(request, body, ids, params, chat=False)
+
+
+@router.post("/v1/chat/completions", name="chat")
+async def chat_completions(body: ChatRequest, request: Request):
+    server = state(request)
+    _check_model(server, body.model)
+    body.check_supported()
+    params = body.sampling_params(server.config.max_tokens_limit, server.client.stop_ids, body.max_tokens_asked())
+    msgs = [m.as_dict() for m in body.messages]
+    ids = await run_in_threadpool(server.client.chat_ids, msgs, body.add_generation_prompt)
+    return await _generate(request, body, ids, params, chat=True)
+
+
+async def _generate(request: Request, body, ids: list[int], params, chat: bool):
+    server = state(request)
+    client = server.client
+    client.check_fits(ids, params)
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+    model = server.config.model_name
+    gen = client.submit(ids, params, body.namespace, stream=body.stream)
+    if not body.stream:
+        out = await until_disconnect(request, gen.result(), gen.cancel)
+        return JSONResponse(protocol.response(rid, model, out, out.text, chat))
+    first = await until_disconnect(request, gen.next(), gen.cancel)  # a refused prompt is a 400, not a 200
+    return EventStream(_events(server, gen, first, rid, model, chat, body.include_usage), gen.cancel)
+
+
+async def _events(server, gen, first, rid: str, model: str, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+    created = int(time.time())
+    decoder = IncrementalDecoder(server.client.decode)
+    if chat:
+        yield sse(protocol.chunk(rid, model, created, chat, None, None, role=True))
+    item, sent = first, 0
+    try:
+        while True:
+            if isinstance(item, TokenDelta):
+                sent += len(item.token_ids)
+                delta = decoder.push(item.token_ids)
+                if delta:
+                    yield sse(protocol.chunk(rid, model, created, chat, delta, None))
+            else:
+                out: Output = item
+                rest = decoder.push(out.token_ids[sent:]) + decoder.finish(out.text)
+                yield sse(protocol.chunk(rid, model, created, chat, rest, out.finish_reason))
+                if include_usage:
+                    yield sse(protocol.usage_chunk(rid, model, created, chat, out))
+                break
+            item = await gen.next()
+    except RequestError as exc:  # after the 200: the error goes in the stream, as vLLM sends it
+        yield sse(exc.body())
+    except Exception as exc:
+        yield sse(RequestError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error").body())
+    yield DONE
