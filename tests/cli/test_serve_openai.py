@@ -1,4 +1,4 @@
-"""The official `openai` client against `tierkv serve` (a subprocess) on a real chat model.
+"""The official `openai` client against `tierkv serve` (a subprocess) on SmolLM2-135M-Instruct.
 
 A 3-turn chat whose later turns report cached prompt tokens and answer
 exactly as a server with the cache disabled; streaming gives the
@@ -19,7 +19,7 @@ import time
 import httpx
 import openai
 import pytest
-from serve_helpers import chat_model  # noqa: F401  (fixture)
+from _models import smollm2_dir  # noqa: F401  (fixture)
 
 MAX_BODY = 64 * 1024
 MAX_MODEL_LEN = 2048
@@ -60,15 +60,15 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(chat_model, tmp_path_factory):
-    s = Server(chat_model, tmp_path_factory.mktemp("serve-cache"))
+def server(smollm2_dir, tmp_path_factory):
+    s = Server(smollm2_dir, tmp_path_factory.mktemp("serve-cache"))
     yield s
     s.stop()
 
 
 @pytest.fixture(scope="module")
-def uncached(chat_model, tmp_path_factory):
-    s = Server(chat_model, tmp_path_factory.mktemp("serve-nocache"), "--no-cache")
+def uncached(smollm2_dir, tmp_path_factory):
+    s = Server(smollm2_dir, tmp_path_factory.mktemp("serve-nocache"), "--no-cache")
     yield s
     s.stop()
 
@@ -104,9 +104,9 @@ def test_three_turn_chat_hits_the_cache_and_answers_as_without_it(server, uncach
 
 def test_generation_stops_at_the_end_of_the_assistant_turn(server):
     out = chat(server, [{"role": "user", "content": "Say hello."}], max_tokens=200)
-    if out.choices[0].finish_reason == "stop":  # ended by the template's end-of-turn token
-        assert "<|im_end|>" not in out.choices[0].message.content
-        assert out.usage.completion_tokens < 200
+    assert out.choices[0].finish_reason == "stop"  # ended by <|im_end|>, SmolLM2's end-of-turn token
+    assert out.usage.completion_tokens < 200 and out.choices[0].message.content.strip()
+    assert "<|im_end|>" not in out.choices[0].message.content and "<|im_start|>" not in out.choices[0].message.content
     ids = server.http.post("/tokenize", json={"messages": [{"role": "user", "content": "Say hello."}]}).json()
     assert ids["count"] == out.usage.prompt_tokens
 
@@ -122,7 +122,7 @@ def test_streaming_gives_the_non_streaming_text(server, kind):
         ref_text = ref.choices[0].message.content
         assert chunks[0].choices[0].delta.role == "assistant"
     else:
-        kw = dict(model="m", prompt="The three primary colours are", max_tokens=30, temperature=0)
+        kw = dict(model="m", prompt="Every painter learns this early, and every physicist agrees: the three primary colours of light are", max_tokens=30, temperature=0)
         ref = server.client.completions.create(**kw)
         chunks = list(server.client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
         text = "".join(c.choices[0].text for c in chunks if c.choices)
@@ -208,3 +208,28 @@ def test_malformed_requests_get_4xx_json_and_the_server_keeps_serving(server):
     assert exc.value.body["param"] == "top_p"
     out = chat(server, [{"role": "user", "content": "Still there?"}], max_tokens=3)
     assert out.choices[0].message.content and out.usage.completion_tokens <= 3
+
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "Capital of Peru?"}],
+    [{"role": "user", "content": "Hi!"}, {"role": "assistant", "content": "Hello! How can I help you today?"},
+     {"role": "user", "content": "Tell me a joke about caches.\n\nMake it short."}],
+    [{"role": "user", "content": "Ünïcödé «quotes», emoji 🦀 and 日本語"}],
+    [{"role": "user", "content": [{"type": "text", "text": "Two"}, {"type": "text", "text": "parts"}]}],
+]
+
+
+def test_prompt_ids_equal_transformers_apply_chat_template(server, smollm2_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    for messages in CONVERSATIONS:
+        as_text = [{**m, "content": m["content"] if isinstance(m["content"], str) else
+                    "\n".join(p["text"] for p in m["content"])} for m in messages]
+        want = tok.apply_chat_template(as_text, add_generation_prompt=True, tokenize=True)
+        want = list(want["input_ids"] if isinstance(want, dict) or hasattr(want, "keys") else want)
+        got = server.http.post("/tokenize", json={"model": "m", "messages": messages}).json()
+        assert got["tokens"] == want, messages
+        out = chat(server, messages, max_tokens=1)  # the ids /tokenize shows are the ids the chat ran on
+        assert out.usage.prompt_tokens == len(want)
