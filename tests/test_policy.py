@@ -304,7 +304,7 @@ def test_save_chain_is_the_add_and_pin_loop(name):
     a, b = index_with(name), index_with(name)
     for _ in range(300):
         path = [f"{rng.randrange(3)}{rng.randrange(2) if d > 1 else 0}" for d in range(rng.randrange(1, 7))]
-        keys = [hashlib.blake2b("/".join(path[: i + 1]).encode(), digest_size=16).digest() for i in range(len(path))]
+        keys = [k(hashlib.blake2b("/".join(path[: i + 1]).encode()).hexdigest()[:16]) for i in range(len(path))]
         for index in (a, b):
             hit = index.match(keys)
             held = [index.get(key) for key in keys[: len(hit)]]
