@@ -56,10 +56,11 @@ demo: setup
 	$(VENV)/bin/tierkv run
 
 # Every benchmark with --check (exit 1 on a missed target), all of them run even when one misses,
-# then one summary table of every target from their JSON. BENCH_ARGS= (empty) for the full runs.
+# then one summary table of every target from their JSON (gpu_smoke where CUDA is, vllm_e2e in
+# .venv-vllm once it exists). BENCH_ARGS= (empty) for the full runs.
 BENCH_ARGS  ?= --quick
 RESULTS     := bench/results
-BENCHES     := tiers lookup connector landing remote kernels_cpu ttft throughput
+BENCHES     := tiers lookup connector landing remote kernels_cpu events ttft throughput
 
 bench: setup system-deps
 	@mkdir -p $(RESULTS); rm -f $(RESULTS)/*.json; fail=""; \
@@ -67,6 +68,10 @@ bench: setup system-deps
 		echo "== bench/$$b.py"; \
 		$(PY) bench/$$b.py $(BENCH_ARGS) --check --json $(RESULTS)/$$b.json || fail="$$fail $$b"; \
 	done; \
+	if command -v nvidia-smi >/dev/null 2>&1; then \
+		echo "== bench/gpu_smoke.py"; \
+		$(PY) bench/gpu_smoke.py $(BENCH_ARGS) --check --json $(RESULTS)/gpu_smoke.json || fail="$$fail gpu_smoke"; \
+	fi; \
 	if [ -f bench/vllm_e2e.py ]; then \
 		echo "== bench/vllm_e2e.py (.venv-vllm)"; \
 		$(MAKE) --no-print-directory $(VLLM_STAMP) && \

@@ -37,11 +37,19 @@ from _common import finish, parser, print_table, target, verdict  # noqa: E402
 
 from tierkv.config import L2Config, L3Config, StoreConfig  # noqa: E402
 from tierkv.engine import LLM, EngineConfig, SamplingParams  # noqa: E402
+from tierkv.engine.checkpoint import write_checkpoint  # noqa: E402
 from tierkv.models import resolve_model  # noqa: E402
 from tierkv.tiers.base import _memmove  # noqa: E402
 from tierkv.tiers.disk import _runs  # noqa: E402
 
 FIRST = SamplingParams(max_tokens=1, ignore_eos=True)
+
+
+def checkpoint(path: str, preset: str = "small") -> str:
+    """A seeded random ``preset`` checkpoint at ``path``, written if missing (bench/throughput.py uses it)."""
+    if not (Path(path) / "config.json").is_file():
+        write_checkpoint(path, preset, seed=0)
+    return path
 
 
 class Timed:
