@@ -111,6 +111,10 @@ class NodePool:
     def live(self) -> list[Node]:
         return [n for n in self.nodes if n.up]
 
+    def down(self) -> list[Node]:
+        """Nodes marked down, the most recently seen up first (the last resort of a request)."""
+        return sorted((n for n in self.nodes if not n.up), key=lambda n: -n.last_ok)
+
     def mark_down(self, node: Node, why: str) -> None:
         if node.up:
             log.warning("tierkv route: %s is down (%s)", node.url, why)

@@ -12,7 +12,9 @@ Per request (``POST /v1/completions`` or ``/v1/chat/completions``):
    forwarded as is, streamed or not, with ``x-tierkv-node`` naming the node;
 4. a node that refuses the connection, drops it before answering or answers
    503 is marked down and the request goes to the next pick, so a dead node
-   costs a request at most one failed connection, never a failure.
+   costs a request at most one failed connection, never a failure. When no
+   live node is left, nodes marked down are tried too (most recently seen
+   first): a node that was only slow still serves rather than the request failing.
 
 ``GET /v1/models`` is forwarded to a live node; ``GET /health`` is ok while a
 node is up; ``GET /v1/route/status`` shows each node's state.
@@ -113,8 +115,8 @@ class RouteProxy:
             ask["prompt"] = body.get("prompt")
         live = self.pool.live()
         start = next(self._hasher)
-        for step in range(len(live)):
-            node = live[(start + step) % len(live)]
+        order = [live[(start + i) % len(live)] for i in range(len(live))] + self.pool.down()
+        for node in order:
             try:
                 r = await self.pool.client.post(f"{node.url}/v1/kv/match", json=ask)
             except httpx.HTTPError as exc:
@@ -140,8 +142,10 @@ class RouteProxy:
         tried: set[str] = set()
         while True:
             live = [n for n in self.pool.live() if n.url not in tried]
+            if not live:  # last resort: a node marked down may only have been slow
+                live = [n for n in self.pool.down() if n.url not in tried]
             if not live:
-                return _error(503, "route: no node is up to serve this request", "no_node")
+                return _error(503, "route: no node could serve this request", "no_node")
             cands = [n.candidate(keys, n_tokens) for n in live]
             node = live[self.router.pick(Prompt(n_tokens, keys), cands)]
             tried.add(node.url)
