@@ -259,10 +259,16 @@ class PrefixIndex:
         if entry.parent is not None:
             parent_entry = self._entries.get(entry.parent) or self._uncached_parents.get(entry.parent)
             if parent_entry is not None:
-                parent_entry.children[tier] -= 1
-                if parent_entry.children[tier] == 0:
-                    self._relist(parent_entry, tier)
-                    if parent_entry.mask == 0 and not any(parent_entry.children):
+                children = parent_entry.children
+                children[tier] -= 1
+                if children[tier] == 0:
+                    # _relist, inlined (hot path: every eviction of a chain's tail exposes its parent)
+                    if (parent_entry.mask >> tier & 1 and parent_entry.ref_count == 0
+                            and parent_entry.handles[tier] is None):
+                        policy = self.policies[tier]
+                        if policy is not None:
+                            policy.add(parent_entry)
+                    if parent_entry.mask == 0 and not any(children):
                         del self._uncached_parents[entry.parent]
         if entry.mask == 0:
             del self._entries[key]

@@ -113,6 +113,7 @@ class HitDensityPolicy(EvictionPolicy):
         self._period = _MIN_PERIOD
         self.updates = 0
         self.ghosts: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        self._ghost_limit = 64
         self.ghost_hits = 0
 
     def __len__(self) -> int:
@@ -142,21 +143,23 @@ class HitDensityPolicy(EvictionPolicy):
             return
         c, last = ghost
         age = self.index.clock - last
-        self.hit_hist[c][age_bin(age)] += 1.0
+        bl = age.bit_length()
+        b = bl if bl < 2 else 2 * bl - 2 + ((age >> (bl - 2)) & 1)
+        self.hit_hist[c][b if b < BINS else BINS - 1] += 1.0
         self.ghost_hits += 1
         if entry.hits == 0:  # a new entry: carry over the hits the index forgot, and this one
             extra = (0 if c < 2 else c - 1) + 1
             entry.tag = (entry.tag & (_TIP | _SEEN)) | ((extra if extra < _LEVELS else _LEVELS) << _EXTRA_SHIFT)
         self._events += 1
 
-    def _bury(self, entry: Entry, c: int, last: int, now: int) -> None:
-        """Remember an evicted block; the oldest ghosts past the limit end their lives unreused."""
-        ghosts = self.ghosts
-        ghosts[entry.key] = (c, last)
-        limit = GHOST_FACTOR * (self.index.counts[self.tier] if self.index is not None else self._size) + 64
+    def _trim_ghosts(self, now: int) -> None:
+        """The oldest ghosts past the limit end their lives unreused; the limit follows the tier's size."""
+        ghosts, ends = self.ghosts, self.end_hist
+        limit = self._ghost_limit = GHOST_FACTOR * (self.index.counts[self.tier] if self.index is not None
+                                                     else self._size) + 64
         while len(ghosts) > limit:
             _, (gc, glast) = ghosts.popitem(last=False)
-            self.end_hist[gc][age_bin(now - glast)] += 1.0
+            ends[gc][age_bin(now - glast)] += 1.0
 
     def _alive(self) -> list[list[float]]:
         """Per class and age bin: lives not ended yet (blocks cached in this tier, ghosts).
@@ -227,7 +230,8 @@ class HitDensityPolicy(EvictionPolicy):
         if not entry.tag & _SEEN:  # first listing: a tip if fresh from the save that created it
             entry.tag |= _SEEN | (_TIP if entry.hits == 0 and self.index is not None
                                   and entry.last_access == self.index.clock else 0)
-        c = block_class(entry)
+        hits = entry.hits + ((entry.tag >> _EXTRA_SHIFT) & _EXTRA_MASK)
+        c = 1 + (hits if hits < _LEVELS else _LEVELS) if hits else entry.tag & _TIP  # block_class, inlined
         item = [entry.last_access, next(self._seq), entry, c]
         entry.handles[self.tier] = item
         heapq.heappush(self._heaps[c], item)
@@ -257,9 +261,10 @@ class HitDensityPolicy(EvictionPolicy):
         best_score = 0.0
         benefit = self._benefit
         density = self.density
-        for c, heap in enumerate(self._heaps):
+        pop = heapq.heappop
+        for heap in self._heaps:
             while heap and heap[0][2] is None:
-                heapq.heappop(heap)
+                pop(heap)
             if not heap:
                 continue
             item = heap[0]
@@ -267,17 +272,22 @@ class HitDensityPolicy(EvictionPolicy):
             bl = age.bit_length()
             b = bl if bl < 2 else 2 * bl - 2 + ((age >> (bl - 2)) & 1)
             depth = item[2].depth
-            factor = benefit[depth] if depth < len(benefit) else self._benefit_at(depth)
-            score = density[c][b if b < BINS else BINS - 1] * factor
+            score = density[item[3]][b if b < BINS else BINS - 1] * (
+                benefit[depth] if depth < len(benefit) else self._benefit_at(depth))
             if best is None or score < best_score or (score == best_score and item[0] < best[0]):
                 best, best_score = item, score
         if best is None:
             return None
-        heapq.heappop(self._heaps[best[3]])
+        c, last = best[3], best[0]
+        pop(self._heaps[c])
         entry = best[2]
         entry.handles[self.tier] = None
         self._size -= 1
-        self._bury(entry, best[3], best[0], now)
+        # Bury it: a ghost until it returns (admit) or the oldest ghosts pass the limit.
+        ghosts = self.ghosts
+        ghosts[entry.key] = (c, last)
+        if len(ghosts) > self._ghost_limit:
+            self._trim_ghosts(now)
         self._events += 1
         if self._events >= self._period:
             self._update()
