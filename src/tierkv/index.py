@@ -103,14 +103,14 @@ class PrefixIndex:
         # never added): never matched, but they keep counting those children, so a
         # parent cached again is still an inner block, not an eviction candidate.
         self._uncached_parents: dict[bytes, Entry] = {}
+        self.counts = [0, 0, 0]
+        self.clock = 0
         self.policies = list(policies)
         for policy in self.policies:
             if policy is not None:
                 policy.bind(self)
         self._observers = tuple(p.observe for p in self.policies if p is not None and hasattr(p, "observe"))
         self._admits = [getattr(p, "admit", None) for p in self.policies]
-        self.counts = [0, 0, 0]
-        self.clock = 0
         self._decay = 0.5 ** (1.0 / half_life)
         # Copy-on-write under its own lock: drop() reads the tuple without taking any.
         self._removal_listeners: tuple[Callable[[bytes], None], ...] = ()

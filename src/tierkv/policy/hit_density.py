@@ -113,11 +113,16 @@ class HitDensityPolicy(EvictionPolicy):
         self._period = _MIN_PERIOD
         self.updates = 0
         self.ghosts: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
-        self._ghost_limit = 64
+        self._counts = [0, 0, 0]  # the index's block counts per tier, once bound
         self.ghost_hits = 0
 
     def __len__(self) -> int:
         return self._size
+
+    def bind(self, index) -> None:
+        """Called once by the index that lists into this policy (its clock and block counts)."""
+        super().bind(index)
+        self._counts = index.counts
 
     # -- learning ---------------------------------------------------------------
 
@@ -155,8 +160,7 @@ class HitDensityPolicy(EvictionPolicy):
     def _trim_ghosts(self, now: int) -> None:
         """The oldest ghosts past the limit end their lives unreused; the limit follows the tier's size."""
         ghosts, ends = self.ghosts, self.end_hist
-        limit = self._ghost_limit = GHOST_FACTOR * (self.index.counts[self.tier] if self.index is not None
-                                                     else self._size) + 64
+        limit = GHOST_FACTOR * self._counts[self.tier] + 64
         while len(ghosts) > limit:
             _, (gc, glast) = ghosts.popitem(last=False)
             ends[gc][age_bin(now - glast)] += 1.0
@@ -286,7 +290,7 @@ class HitDensityPolicy(EvictionPolicy):
         # Bury it: a ghost until it returns (admit) or the oldest ghosts pass the limit.
         ghosts = self.ghosts
         ghosts[entry.key] = (c, last)
-        if len(ghosts) > self._ghost_limit:
+        if len(ghosts) > GHOST_FACTOR * self._counts[self.tier] + 64:
             self._trim_ghosts(now)
         self._events += 1
         if self._events >= self._period:
