@@ -39,6 +39,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import OrderedDict
+from itertools import islice
 
 from tierkv.cost import CostModel
 from tierkv.index import Entry
@@ -60,6 +61,8 @@ _DECAY = 0.95
 # Ghosts kept per block of the tier (keys of victims, with class and last use):
 # they let the densities see ages past the tier's own eviction age.
 GHOST_FACTOR = 4
+# Lives read per update at most (of each kind: cached blocks, ghosts), beyond that a strided sample.
+_ALIVE_SAMPLE = 1 << 17
 # Scale of the density given to ages past a class's last observed hit.
 _FLOOR = 1e-6
 # Pseudo-events of the pooled (all-class) histograms added to each class's.
@@ -169,18 +172,22 @@ class HitDensityPolicy(EvictionPolicy):
         """Per class and age bin: lives not ended yet (blocks cached in this tier, ghosts).
 
         They count as censored lives: their time so far is exposure without a
-        hit. O(blocks + ghosts); ``_update`` runs at most once per that many events.
+        hit. Reads every one up to ``_ALIVE_SAMPLE`` of each kind, past that an
+        evenly strided sample weighted by its stride (bounded work per update);
+        ``_update`` runs at most once per as many events as there are lives.
         """
         alive = [[0.0] * BINS for _ in range(CLASSES)]
         if self.index is None:
             return alive
         now = self.index.clock
-        for c, last in self.ghosts.values():
-            alive[c][age_bin(now - last)] += 1.0
+        stride = max(1, len(self.ghosts) // _ALIVE_SAMPLE)
+        for c, last in islice(self.ghosts.values(), 0, None, stride):
+            alive[c][age_bin(now - last)] += stride
         bit = 1 << self.tier
-        for e in self.index.entries():
+        stride = max(1, len(self.index) // _ALIVE_SAMPLE)
+        for e in islice(self.index.entries(), 0, None, stride):
             if e.mask & bit:
-                alive[block_class(e)][age_bin(now - e.last_access)] += 1.0
+                alive[block_class(e)][age_bin(now - e.last_access)] += stride
         return alive
 
     def _update(self) -> None:
