@@ -257,13 +257,23 @@ def test_env_junk_names_the_field_or_is_a_valid_string(where, raw):
     assert getattr(getattr(cfg, section), name) in (raw, parse_size(raw, "x") if name == "capacity" else raw)
 
 
+# Read by the CLI, kernels, native copy loop, model cache and the test suite (CI sets the last two).
+OTHER_VARS = ("TIERKV_CACHE_DIR", "TIERKV_LOG_LEVEL", "TIERKV_CONFIG", "TIERKV_KERNELS", "TIERKV_NATIVE",
+              "TIERKV_MODELS_DIR", "TIERKV_REQUIRE_SERVERS", "TIERKV_SHARED")
+
+
+def test_variables_other_parts_read_are_not_store_settings():
+    env = {var: "1" for var in OTHER_VARS}
+    assert env_overrides(env) == {}
+    assert StoreConfig.load(None, env=env) == StoreConfig()
+
+
 @given(st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZ_", min_size=1, max_size=12))
 @FUZZ
 def test_unknown_env_names_are_named(suffix):
     var = "TIERKV_" + suffix
     known = {f"TIERKV_{s}_{n}".upper() for s, n in FIELDS} | {f"TIERKV_{n}".upper() for n in TOP_LEVEL}
-    if var in known or var.startswith("TIERKV_VLLM_") or var in (
-            "TIERKV_CACHE_DIR", "TIERKV_LOG_LEVEL", "TIERKV_CONFIG", "TIERKV_KERNELS", "TIERKV_NATIVE"):
+    if var in known or var.startswith("TIERKV_VLLM_") or var in OTHER_VARS:
         return
     with pytest.raises(ValueError, match=rf"^{var}: unknown setting"):
         env_overrides({var: "1"})

@@ -318,9 +318,11 @@ def _coerce(raw: str, current: Any) -> Any:
     return raw
 
 
-# TIERKV_* variables other parts read (the CLI, the kernels, the native copy loop);
-# TIERKV_VLLM_* belong to the vLLM connector's config.
-_NOT_STORE_VARS = ("TIERKV_CACHE_DIR", "TIERKV_LOG_LEVEL", "TIERKV_CONFIG", "TIERKV_KERNELS", "TIERKV_NATIVE")
+# TIERKV_* variables other parts read (the CLI, the kernels, the native copy loop, the model
+# cache, the test suite's strict mode and its shared/ path); TIERKV_VLLM_* belong to the vLLM
+# connector's config.
+_NOT_STORE_VARS = ("TIERKV_CACHE_DIR", "TIERKV_LOG_LEVEL", "TIERKV_CONFIG", "TIERKV_KERNELS", "TIERKV_NATIVE",
+                   "TIERKV_MODELS_DIR", "TIERKV_REQUIRE_SERVERS", "TIERKV_SHARED")
 
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
