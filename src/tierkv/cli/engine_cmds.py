@@ -161,11 +161,15 @@ def serve_cmd(
                                         "blocks (--no-cache: recompute every prompt, L1 is only the KV pool).")] = True,
     persist: Annotated[bool, typer.Option("--persist/--no-persist", help="Copy each request's blocks to L3 as it "
                                           "finishes, so a restarted server hits them.")] = True,
+    kv_events: Annotated[str, typer.Option("--kv-events", help="Publish the store's KV events (vLLM format, ZMQ) "
+                                           "at tcp://HOST:PORT (replay at PORT+1; port 0: free ports), or off.")]
+    = "tcp://127.0.0.1:0",
     cache_dir: CacheDir = None, config: ConfigFile = None, debug: Debug = False,
 ) -> None:
     """Serve the engine over an OpenAI-compatible HTTP API with /metrics (Prometheus) and /health."""
     from tierkv.engine.chat_template import ChatTemplate, ChatTemplateError
     from tierkv.engine.server import EngineServer, ServerConfig
+    from tierkv.route.node_api import serve_kv
 
     s = settings(cache_dir, config, debug)
     model_dir = model_path(model)
@@ -181,8 +185,17 @@ def serve_cmd(
     recorder = Recorder(llm, persist)
     name = server_config.model_name
     try:
-        server = EngineServer(llm, server_config, on_request=recorder, model_dir=model_dir, chat_template=template)
+        kv_router, publisher = serve_kv(llm.store, kv_events)
+    except (ValueError, OSError) as exc:
+        recorder.close()
+        llm.close()
+        raise CLIError(str(exc), 2) from None
+    try:
+        server = EngineServer(llm, server_config, on_request=recorder, model_dir=model_dir, chat_template=template,
+                              routers=[kv_router])
     except OSError as exc:
+        if publisher is not None:
+            publisher.close()
         recorder.close()
         llm.close()
         raise CLIError(f"--port: cannot listen on {host}:{port}: {exc.strerror}") from None
@@ -204,3 +217,5 @@ def serve_cmd(
         with server.engine_lock:  # the engine loop has stopped; nothing else touches the LLM
             recorder.close()
             llm.close()
+            if publisher is not None:
+                publisher.close()
