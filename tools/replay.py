@@ -245,19 +245,14 @@ class Replayer:
             entries = [get(key) for key in keys[: len(tiers)]]
             index.pin(entries)
             index.touch(entries)
-            parent = None
-            for depth, key in enumerate(keys):
-                entry = get(key)
-                if entry is None or not entry.mask & 1:
-                    unpinned = entry is None or entry.ref_count == 0
-                    entry = index.add(key, parent, depth, top, pin=unpinned)
-                    if unpinned:
-                        entries.append(entry)
-                elif entry.ref_count == 0:  # cached past the cut and still listed: re-rank it
-                    for t, policy in enumerate(index.policies):
-                        if entry.handles[t] is not None:
-                            policy.touch(entry)
-                parent = key
+            if multi:  # blocks cached past the cut stay listed: re-rank them by their new next use
+                for key in keys[len(tiers):]:
+                    entry = get(key)
+                    if entry is not None and entry.ref_count == 0:
+                        for t, policy in enumerate(index.policies):
+                            if entry.handles[t] is not None:
+                                policy.touch(entry)
+            entries += index.save_chain(keys, 0 if multi else len(tiers), top)
             while index.counts[top] > cap and self._evict(top):
                 pass
             index.unpin(entries)
