@@ -205,3 +205,20 @@ def test_shutdown_lets_the_stream_in_flight_finish_and_stops_the_loop_thread(llm
     with pytest.raises(EngineStopped):
         server.loop.submit([1, 2, 3], SamplingParams(max_tokens=2), None, stream=False)
     assert not llm.scheduler.has_work()
+
+
+def test_a_client_leaving_before_its_non_streaming_answer_aborts_it(server):
+    body = json.dumps({"model": "tiny", "prompt": PROMPTS[3], "max_tokens": 900, "temperature": 0,
+                       "ignore_eos": True}).encode()
+    with socket.create_connection(server.address, timeout=60) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        deadline = time.monotonic() + 20
+        while server.loop.gauges()["sequences"] < 1:  # wait until it is generating, then hang up
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            time.sleep(0.01)
+    deadline = time.monotonic() + 20
+    while server.loop.batch_stats()["aborted"] < 1:
+        assert time.monotonic() < deadline, "the request of the client that left was never aborted"
+        time.sleep(0.01)
+    assert server.stats()["completion_tokens"] == 0  # it never finished
+    assert_engine_idle(server)
