@@ -35,9 +35,12 @@ class EngineStopped(RuntimeError):
 
 @dataclass(frozen=True)
 class TokenDelta:
-    """Tokens a streaming request got since its previous delivery."""
+    """Tokens a streaming request got since its previous delivery; the first delivery also says how many
+    prompt tokens each tier served and the time to first token (later ones: None)."""
 
     token_ids: list[int]
+    hit_tokens: dict[str, int] | None = None
+    ttft_s: float | None = None
 
 
 @dataclass(eq=False)
@@ -243,7 +246,10 @@ class EngineLoop:
             else:
                 n = len(seq.output_ids)
                 if req.stream and n > req.sent:
-                    req.put(TokenDelta(seq.token_ids[seq.num_prompt_tokens + req.sent:]))
+                    first = req.sent == 0
+                    req.put(TokenDelta(seq.token_ids[seq.num_prompt_tokens + req.sent:],
+                                       dict(seq.hit_tokens) if first else None,
+                                       seq.first_token_at - seq.arrival if first else None))
                     req.sent = n
                 still.append(req)
         self._active = still

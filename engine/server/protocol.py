@@ -2,9 +2,9 @@
 
 Fields are typed strictly (``"max_tokens": "5"`` is a 400, not 5); an
 unknown field is a 400 naming it, as OpenAI answers. Fields OpenAI clients
-send that the engine cannot honour (``n`` > 1, ``stop`` strings, penalties,
-logprobs, tools) are refused with a 400 naming the field instead of being
-ignored. tierkv extensions: ``namespace`` (the cache namespace of the
+send that the engine cannot honour (``n`` > 1, penalties, logprobs, tools)
+are refused with a 400 naming the field instead of being ignored. ``stop``
+(up to 4 strings) is applied to the decoded text by the server. tierkv extensions: ``namespace`` (the cache namespace of the
 request), ``top_k``, ``stop_token_ids``, ``ignore_eos`` (as vLLM has them).
 """
 
@@ -86,8 +86,9 @@ class _Generate(_Strict):
             raise RequestError(400, f"top_p: expected a number in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < 0:
             raise RequestError(400, f"top_k: expected an integer >= 0, got {self.top_k}", "top_k")
-        if self.stop:
-            raise RequestError(400, "stop: stop strings are not supported; use stop_token_ids", "stop")
+        stops = self.stop_strings()
+        if len(stops) > 4 or not all(stops):
+            raise RequestError(400, "stop: expected up to 4 non-empty strings", "stop")
         for name in ("presence_penalty", "frequency_penalty"):
             if getattr(self, name) != 0:
                 raise RequestError(400, f"{name}: only 0 is supported", name)
@@ -101,6 +102,9 @@ class _Generate(_Strict):
         return SamplingParams(max_tokens=max_tokens, temperature=float(self.temperature), top_p=float(self.top_p),
                               top_k=self.top_k, seed=self.seed, stop_token_ids=tuple(sorted(set(stop_ids + extra))),
                               ignore_eos=self.ignore_eos)
+
+    def stop_strings(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
     @property
     def include_usage(self) -> bool:

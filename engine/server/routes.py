@@ -22,7 +22,7 @@ from tierkv.engine.server import protocol
 from tierkv.engine.server.errors import RequestError
 from tierkv.engine.server.metrics import CONTENT_TYPE
 from tierkv.engine.server.protocol import ChatRequest, CompletionRequest, TokenizeRequest
-from tierkv.engine.server.streaming import DONE, EventStream, IncrementalDecoder, sse, until_disconnect
+from tierkv.engine.server.streaming import DONE, EventStream, IncrementalDecoder, StopStrings, sse, until_disconnect
 from tierkv.engine.serving import TokenDelta
 
 router = APIRouter()
@@ -106,35 +106,69 @@ async def _generate(request: Request, body, ids: list[int], params, chat: bool):
     client.check_fits(ids, params)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     model = server.config.model_name
-    gen = client.submit(ids, params, body.namespace, stream=body.stream)
+    stops = body.stop_strings()
+    gen = client.submit(ids, params, body.namespace, stream=body.stream or bool(stops))
     if not body.stream:
-        out = await until_disconnect(request, gen.result(), gen.cancel)
-        return JSONResponse(protocol.response(rid, model, out, out.text, chat))
+        if not stops:
+            out = await until_disconnect(request, gen.result(), gen.cancel)
+            return JSONResponse(protocol.response(rid, model, out, out.text, chat))
+        text, out = await until_disconnect(request, _collect(_pieces(server, gen, await gen.next(), stops)),
+                                           gen.cancel)
+        return JSONResponse(protocol.response(rid, model, out, text, chat))
     first = await until_disconnect(request, gen.next(), gen.cancel)  # a refused prompt is a 400, not a 200
-    return EventStream(_events(server, gen, first, rid, model, chat, body.include_usage), gen.cancel)
+    return EventStream(_events(_pieces(server, gen, first, stops), rid, model, chat, body.include_usage), gen.cancel)
 
 
-async def _events(server, gen, first, rid: str, model: str, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
-    created = int(time.time())
+async def _pieces(server, gen, first, stops: list[str]) -> AsyncIterator[tuple[str, Output | None]]:
+    """The answer as text pieces: ``(text, None)`` per step that completed some text, then ``(text, Output)``
+    once. Cut at the first of ``stops`` (the request is then cancelled and the Output made here)."""
     decoder = IncrementalDecoder(server.client.decode)
+    cut = StopStrings(stops) if stops else None
+    ids: list[int] = []
+    hits, ttft = {}, None
+    item = first
+    while True:
+        final = None
+        if isinstance(item, TokenDelta):
+            ids += item.token_ids
+            if item.hit_tokens is not None:
+                hits, ttft = item.hit_tokens, item.ttft_s
+            text = decoder.push(item.token_ids)
+        else:
+            final = item
+            text = decoder.push(final.token_ids[len(ids):]) + decoder.finish(final.text)
+            ids = list(final.token_ids)
+        if cut is not None:
+            text = cut.feed(text, final is not None)
+            if cut.stopped:
+                gen.cancel()
+                final = Output(-1, list(gen.prompt_ids), ids, cut.text, "stop",
+                               final.ttft_s if final else ttft, final.hit_tokens if final else hits)
+        if text or final is not None:
+            yield text, final
+        if final is not None:
+            return
+        item = await gen.next()
+
+
+async def _collect(pieces: AsyncIterator[tuple[str, Output | None]]) -> tuple[str, Output]:
+    texts = []
+    async for text, final in pieces:
+        texts.append(text)
+        if final is not None:
+            return "".join(texts), final
+    raise RuntimeError("the answer ended without a final output")
+
+
+async def _events(pieces, rid: str, model: str, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
+    created = int(time.time())
     if chat:
         yield sse(protocol.chunk(rid, model, created, chat, None, None, role=True))
-    item, sent = first, 0
     try:
-        while True:
-            if isinstance(item, TokenDelta):
-                sent += len(item.token_ids)
-                delta = decoder.push(item.token_ids)
-                if delta:
-                    yield sse(protocol.chunk(rid, model, created, chat, delta, None))
-            else:
-                out: Output = item
-                rest = decoder.push(out.token_ids[sent:]) + decoder.finish(out.text)
-                yield sse(protocol.chunk(rid, model, created, chat, rest, out.finish_reason))
-                if include_usage:
-                    yield sse(protocol.usage_chunk(rid, model, created, chat, out))
-                break
-            item = await gen.next()
+        async for text, out in pieces:
+            yield sse(protocol.chunk(rid, model, created, chat, text, out.finish_reason if out else None))
+            if out is not None and include_usage:
+                yield sse(protocol.usage_chunk(rid, model, created, chat, out))
     except RequestError as exc:  # after the 200: the error goes in the stream, as vLLM sends it
         yield sse(exc.body())
     except Exception as exc:

@@ -2,7 +2,8 @@
 
 ``IncrementalDecoder`` turns token deltas into text deltas without decoding
 the whole answer each step, holding back a split UTF-8 character; its pieces
-always add up to the non-streaming text. ``EventStream`` is a streaming
+always add up to the non-streaming text. ``StopStrings`` cuts them at the
+first stop string. ``EventStream`` is a streaming
 response that watches for the client's disconnect while it sends: when the
 client goes away (or the send fails) the body is cancelled at once and
 ``on_close`` runs, which aborts the engine request so its blocks are freed
@@ -54,6 +55,30 @@ class IncrementalDecoder:
             delta = ""
         self.text += delta
         return delta
+
+
+class StopStrings:
+    """Cuts generated text at the first of ``stops`` (the stop string itself is not sent, as OpenAI does),
+    holding back a tail that could be the start of one. Not thread-safe."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.hold = max(len(s) for s in stops) - 1
+        self.text = ""      # all text fed, up to the stop string once found
+        self.sent = 0       # characters of ``text`` returned so far
+        self.stopped = False
+
+    def feed(self, delta: str, final: bool) -> str:
+        """Add ``delta``; the text that is now safe to send (everything, when ``final``)."""
+        self.text += delta
+        found = [i for i in (self.text.find(s, self.sent) for s in self.stops) if i >= 0]
+        if found:
+            self.stopped, self.text = True, self.text[:min(found)]
+            end = len(self.text)
+        else:
+            end = len(self.text) if final else max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent:end], end
+        return out
 
 
 def sse(payload: dict) -> bytes:

@@ -111,6 +111,32 @@ def test_generation_stops_at_the_end_of_the_assistant_turn(server):
     assert ids["count"] == out.usage.prompt_tokens
 
 
+def test_stop_strings_cut_the_answer_streaming_or_not(server):
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    full = chat(server, messages).choices[0].message.content
+    assert "Paris" in full
+    out = chat(server, messages, stop=["Paris", "never appears"])
+    assert out.choices[0].message.content == full[:full.index("Paris")]
+    assert out.choices[0].finish_reason == "stop" and out.usage.completion_tokens < len(full)
+    chunks = list(chat(server, messages, stop="Paris", stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full[:full.index("Paris")]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+    assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+    wait_idle(server)  # the requests cut short were aborted and left nothing pinned
+
+
+def wait_idle(server: Server) -> dict[str, float]:
+    """/metrics once no request is in the engine and no block is pinned (an abort lands at the next step)."""
+    deadline = time.monotonic() + 30
+    while True:
+        m = server.metrics()
+        if m["tierkv_engine_sequences"] == 0 and m["tierkv_engine_pinned_blocks"] == 0:
+            return m
+        assert time.monotonic() < deadline, f"still busy: {m['tierkv_engine_sequences']} sequences, " \
+                                            f"{m['tierkv_engine_pinned_blocks']} pinned blocks"
+        time.sleep(0.05)
+
+
 @pytest.mark.parametrize("kind", ["chat", "completion"])
 def test_streaming_gives_the_non_streaming_text(server, kind):
     if kind == "chat":
@@ -187,6 +213,7 @@ MALFORMED = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "z" * (MAX_BODY + 10)}]}, 413),
     ("/v1/completions", {"prompt": [1, 2, 10 ** 7]}, 400),                                   # id outside the vocab
     ("/v1/completions", {"prompt": ["a", "b"]}, 400),                                        # a batch of prompts
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400),                                 # an empty stop string
     ("/v2/nothing", {"prompt": "x"}, 404),
 ]
 
