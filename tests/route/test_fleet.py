@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from _env import SHARED
 
 ROOT = Path(__file__).resolve().parents[2]
-TRACE_NAME = "data/traces/mooncake_synthetic_trace.jsonl"
-SYNTHETIC = next((p for p in (ROOT.parent / "shared" / TRACE_NAME, Path("/work/shared") / TRACE_NAME)
-                  if p.exists()), None)
+SYNTHETIC = SHARED / "data" / "traces" / "mooncake_synthetic_trace.jsonl"  # ../shared beside the checkout
 
 
 def _load_fleet():
@@ -82,7 +81,7 @@ def test_command_line_writes_one_row_per_router(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(SYNTHETIC is None, reason="the shared synthetic trace is not on this machine")
+@pytest.mark.skipif(not SYNTHETIC.exists(), reason="the shared synthetic trace is not on this machine")
 def test_shared_trace_acceptance():
     requests = fleet.load_requests(SYNTHETIC)
     results = {name: fleet.simulate(requests, name, 4, fleet.DEFAULT_TIERS, fleet.DEFAULT_POLICY, COST)
