@@ -38,7 +38,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import finish, parser, print_table, target  # noqa: E402
 
-ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
        "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 PREFIX, BLOCK = 2048, 128
 LLM_ARGS = {"dtype": "float32", "max_model_len": 4096, "enable_prefix_caching": True, "disable_log_stats": False,
@@ -209,19 +209,19 @@ def main() -> None:
     t_start = time.monotonic()
     engines: dict[str, Engine] = {}
     try:
-        for name, x in (("conn", xfer), ("noconn", None), ("offload", offload)):
+        for name, x in (("conn", xfer), ("noconn", None)):
             engines[name] = Engine(name, {**base, "xfer": x}, work)
-        started = {name: e.result() for name, e in engines.items()}
-        off = started.pop("offload")
-        engines.pop("offload").close()
-        for name, res in started.items():
-            if "ready" not in res:
+        for name, e in engines.items():
+            if "ready" not in (res := e.result()):
                 raise RuntimeError(f"{name} did not start: {res}")
         conn, noconn = engines["conn"], engines["noconn"]
         first = conn.call("generate", prompt=shared)  # computes and stores the prefix
         noconn.call("generate", prompt=shared)        # warm-up
         stored = wait_l3(l3, PREFIX // BLOCK)
         engines["restart"] = restart = Engine("restart", {**base, "xfer": xfer}, work)
+        offloader = Engine("offload", {**base, "xfer": offload}, work)
+        off = offloader.result()
+        offloader.close()
         if "ready" not in restart.result():
             raise RuntimeError("restart did not start")
         restart_hits0 = restart.call("hits").get("l3", 0)

@@ -197,8 +197,9 @@ class ConnectorWorker:
 
     def take_stats(self) -> TierKVStats | None:
         """Counter deltas since the last call (this worker's loads and saves, its store's counters)."""
-        store_deltas(self.store.metrics.snapshot(), self._store_seen, self._stats)
+        snapshot = self.store.metrics.snapshot()
         with self._lock:
+            store_deltas(snapshot, self._store_seen, self._stats)
             if self._stats.is_empty():
                 return None
             stats, self._stats = self._stats, TierKVStats()

@@ -61,6 +61,7 @@ def test_vllm_serve_openai_client_16_chats_share_a_system_prompt(smollm2_dir, tm
             "--port", str(port),
             "--host", "127.0.0.1", "--dtype", "float32", "--max-model-len", "4096",
             "--served-model-name", "smollm2", "--enable-prompt-tokens-details",
+            "--enforce-eager",  # no torch.compile warm-up: minutes on 2 cores, nothing this test checks
             "--kv-transfer-config", json.dumps(xfer)]
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
