@@ -1,13 +1,18 @@
 """The main job's workload: a multi-turn chat replayed through the engine, one pass per process.
 
-One long system prompt is shared by every user; each user talks for several
-turns and each turn's prompt is the previous turn's prompt, its answer and a
-new message — the shape of real chat traffic, where almost every prompt token
-was already computed once. A pass replays the conversation twice inside one
-process: through an engine with the cache (timed, hits per tier recorded) and
-through an engine with the cache disabled (the same prompts, the cold
-baseline). After each turn the cached engine persists the turn's blocks to L3
-(``store.persist``), so the next process — `tierkv run`'s restarted pass —
+One long system prompt (an assistant's instructions and reference notes) is
+shared by every user; each user asks a few real questions, one per turn, and
+each turn's prompt is the whole conversation so far rendered with the model's
+own chat template (``tierkv.engine.chat_template``) — the shape of real chat
+traffic, where almost every prompt token was already computed once. A model
+without a chat template (the random test presets) gets the same conversation
+as plain ``System:/User:/Assistant:`` text.
+
+A pass replays the conversation twice inside one process: through an engine
+with the cache (timed, hits per tier recorded, its answers kept as the chat's
+history) and through an engine with the cache disabled (the same prompts, the
+cold baseline). After each turn the cached engine persists the turn's blocks to
+L3 (``store.persist``), so the next process — `tierkv run`'s restarted pass —
 finds them on disk.
 
 ``python -m tierkv.demo PLAN.json`` runs one pass and writes JSON lines on
@@ -27,13 +32,31 @@ from tierkv.metrics import TIER_NAMES
 
 NAMESPACE = "tierkv-demo"
 
-_TOPICS = ["tiered caches", "prefix hashing", "paged attention", "NVMe slot files", "remote pools",
-           "eviction by cost", "copy streams", "chunked prefill"]
+IDENTITY = ("You are a helpful AI assistant named SmolLM, trained by Hugging Face. Answer the user's question "
+            "in one or two sentences.")
+#: Reference notes the system prompt repeats until it is long enough: a knowledge base every user shares.
+NOTES = (
+    "Paris is the capital of France and sits on the river Seine.",
+    "Rome is the capital of Italy; the Tiber flows through it.",
+    "Madrid is the capital of Spain and lies on the Manzanares.",
+    "Lisbon is the capital of Portugal, on the Tagus estuary.",
+    "Berlin is the capital of Germany and stands on the Spree.",
+    "Amsterdam is the capital of the Netherlands and is known for its canals.",
+    "Vienna is the capital of Austria, on the Danube.",
+    "Prague is the capital of the Czech Republic, on the Vltava.",
+)
+#: One list of questions per user, one question per turn.
+QUESTIONS = (
+    ("What is the capital of France?", "Which river flows through it?", "What is it famous for?"),
+    ("What is the capital of Germany?", "How many people live there?", "What should a visitor see first?"),
+    ("Why is the sky blue?", "Why are sunsets red?", "What is the speed of light?"),
+    ("What is the capital of Italy?", "Which river flows through it?", "What food is it known for?"),
+)
 
 
 @dataclass(frozen=True)
 class Workload:
-    """Size of the chat: users x turns, a system prompt of about ``system_tokens``, short answers."""
+    """Size of the chat: users x turns, a system prompt of about ``system_tokens``, answers of up to ``max_tokens``."""
 
     users: int
     turns: int
@@ -45,28 +68,40 @@ class Workload:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"workload.{name}: expected an integer >= 1, got {value!r}")
+        if self.users > len(QUESTIONS) or self.turns > len(QUESTIONS[0]):
+            raise ValueError(f"workload: at most {len(QUESTIONS)} users and {len(QUESTIONS[0])} turns, "
+                             f"got {self.users} x {self.turns}")
 
 
 FIRST_TOKENS = 4  # greedy tokens of each turn compared between the cached and the cold engine
-QUICK = Workload(users=2, turns=2, system_tokens=768, max_tokens=8)
-FULL = Workload(users=3, turns=3, system_tokens=1536, max_tokens=16)
+QUICK = Workload(users=2, turns=2, system_tokens=512, max_tokens=24)
+FULL = Workload(users=3, turns=3, system_tokens=1024, max_tokens=48)
 
 
-def system_prompt(approx_chars: int) -> str:
-    """A deterministic, readable system prompt of about ``approx_chars`` characters."""
-    lines = ["You are the tierkv assistant. Answer briefly and precisely."]
-    i = 0
-    while sum(len(x) + 1 for x in lines) < approx_chars:
-        topic = _TOPICS[i % len(_TOPICS)]
-        lines.append(f"Rule {i + 1}: when asked about {topic}, cite the section on {topic} "
-                     f"and give one number measured on this machine (case {i * 7 % 31}).")
-        i += 1
-    return "\n".join(lines)
+class Chat:
+    """Renders a conversation to token ids: the model's chat template, else plain text. Stateless."""
 
+    def __init__(self, model_dir: str | Path, vocab_size: int) -> None:
+        from tierkv.engine.chat_template import ChatTemplate
+        from tierkv.engine.tokenizer import Tokenizer
 
-def user_message(user: int, turn: int) -> str:
-    topic = _TOPICS[(user * 3 + turn) % len(_TOPICS)]
-    return f"\nUser {user + 1}: (turn {turn + 1}) How do {topic} help a restarted server?\nAssistant:"
+        self.tok = Tokenizer(model_dir, vocab_size)
+        self.template = ChatTemplate.from_model_dir(model_dir)
+
+    def ids(self, messages: list[dict]) -> list[int]:
+        if self.template is not None:
+            return self.tok.encode(self.template.render(messages, add_generation_prompt=True),
+                                   add_special_tokens=False)
+        text = "".join(f"{m['role'].capitalize()}: {m['content']}\n" for m in messages) + "Assistant:"
+        return self.tok.encode(text)
+
+    def system_prompt(self, tokens: int) -> str:
+        """The identity line, then reference notes until the prompt holds about ``tokens`` tokens."""
+        lines, i = [IDENTITY], 0
+        while len(self.tok.encode("\n".join(lines))) < tokens:
+            lines.append(NOTES[i % len(NOTES)])
+            i += 1
+        return "\n".join(lines)
 
 
 def run_pass(plan: dict, emit) -> dict:
@@ -77,14 +112,14 @@ def run_pass(plan: dict, emit) -> dict:
     from tierkv.config import StoreConfig
     from tierkv.engine import LLM, EngineConfig
     from tierkv.engine.loader import read_config
-    from tierkv.engine.tokenizer import Tokenizer
 
     torch.set_num_threads(1)
     work = Workload(**plan["workload"])
     started = time.perf_counter()
-    tok = Tokenizer(plan["model"], read_config(plan["model"]).vocab_size)
-    sys_ids = tok.encode(system_prompt(work.system_tokens))[: work.system_tokens]
-    longest = len(sys_ids) + work.turns * (len(tok.encode(user_message(0, 0))) + 8 + work.max_tokens)
+    chat = Chat(plan["model"], read_config(plan["model"]).vocab_size)
+    system = {"role": "system", "content": chat.system_prompt(work.system_tokens)}
+    sys_ids = chat.ids([system])
+    longest = len(sys_ids) + work.turns * (64 + work.max_tokens)
     # L1 holds the longest conversation and a little more, so other users' blocks demote to L2.
     num_blocks = -(-longest // EngineConfig().block_size) + 2
     engine_cfg = EngineConfig(num_blocks=num_blocks, num_threads=1, max_model_len=longest + 64)
@@ -92,19 +127,21 @@ def run_pass(plan: dict, emit) -> dict:
     nocache = LLM(plan["model"], None, engine_cfg, enable_cache=False)
     load_s = time.perf_counter() - started
     catalog = Catalog(Path(cached.store.config.l3.path)) if cached.store.l3 is not None else None
-    history = {u: list(sys_ids) for u in range(work.users)}
+    history = {u: [system] for u in range(work.users)}
     turns, written = [], 0
     try:
         _warm_up(cached, nocache, sys_ids)
         for turn in range(work.turns):
             for user in range(work.users):
-                prompt = history[user] + tok.encode(user_message(user, turn))
-                row, answer, n = _turn(cached, nocache, catalog, prompt, work.max_tokens)
-                row = {"user": user + 1, "turn": turn + 1, **row}
+                question = QUESTIONS[user][turn]
+                messages = history[user] + [{"role": "user", "content": question}]
+                row, answer, n = _turn(cached, nocache, catalog, chat.ids(messages), work.max_tokens)
+                text = chat.tok.decode(answer).strip()
+                row = {"user": user + 1, "turn": turn + 1, "question": question, "answer": text, **row}
                 turns.append(row)
                 written += n
                 emit({"event": "turn", **row})
-                history[user] = prompt + answer
+                history[user] = messages + [{"role": "assistant", "content": text}]
     finally:
         if catalog is not None:
             catalog.close()

@@ -111,7 +111,7 @@ def test_run_on_a_damaged_l3_moves_it_aside_and_completes(cache, tmp_path):
     l3 = cache / "l3"
     os.truncate(l3 / "index" / "data.mdb", 2 * 4096)
     out = tmp_path / "run.json"
-    r = run_tierkv("run", "--quick", "--json", str(out), "--cache-dir", str(cache),
+    r = run_tierkv("run", "--quick", "--model", "tiny", "--json", str(out), "--cache-dir", str(cache),
                    env={"TIERKV_L3_CAPACITY": "256MiB"}, timeout=600)
     assert r.code == 0, r.err[-2000:]
     fresh, restarted = json.loads(out.read_text())["passes"]

@@ -23,7 +23,7 @@ from tierkv.config import L3Config, StoreConfig
 app = typer.Typer(
     name="tierkv",
     help="tierkv: a hierarchical KV-cache store for LLM inference (L1 device, L2 DRAM, L3 disk, L4 remote).\n\n"
-         "Start with `tierkv run`: it builds a small demo model and shows the cache at work.",
+         "Start with `tierkv run`: a real chat model (SmolLM2-135M-Instruct, pulled on first use) shows the cache at work.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
@@ -36,7 +36,7 @@ DEFAULT_CACHE_DIR = "~/.cache/tierkv"
 
 CacheDir = Annotated[Path | None, typer.Option(
     "--cache-dir", envvar="TIERKV_CACHE_DIR", show_envvar=True,
-    help=f"Cache directory: L3 lives in CACHE_DIR/l3, demo models in CACHE_DIR/models [default: {DEFAULT_CACHE_DIR}].")]
+    help=f"Cache directory: L3 lives in CACHE_DIR/l3 [default: {DEFAULT_CACHE_DIR}]; models live in TIERKV_MODELS_DIR (~/.cache/tierkv/models).")]
 ConfigFile = Annotated[Path | None, typer.Option(
     "--config", "-c", envvar="TIERKV_CONFIG", help="A TOML store config (see docs/design.md); TIERKV_* env overrides it.")]
 Debug = Annotated[bool, typer.Option("--debug", help="Show tracebacks and debug logs.")]

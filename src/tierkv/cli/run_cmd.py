@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,31 +21,10 @@ from tierkv.catalog import evict_namespace
 from tierkv.cli.common import MODEL_HELP, CacheDir, CLIError, ConfigFile, Debug, app, console, model_path, settings
 from tierkv.demo import FULL, NAMESPACE, QUICK, write_chart
 from tierkv.metrics import TIER_NAMES
+from tierkv.models import DEFAULT_MODEL
 from tierkv.tiers.disk_open import DamagedL3
 
 PASS_NAMES = ("fresh process", "restarted process")
-
-
-def ensure_demo_model(cache_dir: Path, preset: str = "small") -> Path:
-    """The ``preset`` demo checkpoint under ``cache_dir/models``, written (atomically) if missing."""
-    target = cache_dir / "models" / preset
-    if (target / "config.json").exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{preset}-", dir=target.parent))
-    try:
-        proc = subprocess.run([sys.executable, "-m", "tierkv.engine.checkpoint", str(tmp), "--preset", preset],
-                              capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise CLIError(f"could not write the {preset} checkpoint: {_last_line(proc.stderr)}")
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not (target / "config.json").exists():  # another run may have written it meanwhile
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
 
 
 def _last_line(text: str) -> str:
@@ -93,6 +71,16 @@ def _table(index: int, ps: dict) -> Table:
     return table
 
 
+def answers_text(ps: dict) -> str:
+    """Each user's first question and the model's answer (from the cached engine of pass 1)."""
+    lines = ["first answers (pass 1, served with the cache; the cold engine starts each the same way):"]
+    for r in ps["turns"]:
+        if r["turn"] == 1:
+            answer = " ".join(r["answer"].split())
+            lines.append(f"  u{r['user']}: {r['question']}\n      -> {answer[:240]}{'...' if len(answer) > 240 else ''}")
+    return "\n".join(lines)
+
+
 def summary_line(index: int, ps: dict) -> str:
     rates = ps["hit_rate_by_tier"]
     by_tier = ", ".join(f"{t.upper()} {rates[t] * 100:.0f}%" for t in TIER_NAMES if rates[t] > 0) or "none"
@@ -102,10 +90,10 @@ def summary_line(index: int, ps: dict) -> str:
 
 
 @app.command("run", epilog="Examples: `tierkv run`, `tierkv run --quick --json out/run.json`, "
-                           "`tierkv run --model ~/models/Llama-3.2-1B`")
+                           "`tierkv run --model ~/models/Llama-3.2-1B`, `tierkv run --quick --model tiny`")
 def run_cmd(
-    model: Annotated[str | None, typer.Option("--model", "-m", help=MODEL_HELP + " [default: the `small` random "
-                                                                     "demo model, created on first use].")] = None,
+    model: Annotated[str, typer.Option("--model", "-m", help=MODEL_HELP + " `tiny` / `small`: seeded random "
+                                                              "weights, for fast tests.")] = DEFAULT_MODEL,
     quick: Annotated[bool, typer.Option("--quick", help="A shorter chat (2 users x 2 turns), under a minute.")] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the figures to this JSON file (the PNG chart goes next to it).")] = None,
     cache_dir: CacheDir = None, config: ConfigFile = None, debug: Debug = False,
@@ -118,14 +106,13 @@ def run_cmd(
     """
     started = time.perf_counter()
     s = settings(cache_dir, config, debug)
-    chosen = None if model is None else model_path(model)
     work = QUICK if quick else FULL
     out_json = json_path or s.cache_dir / "run" / "last-run.json"
     out_json.parent.mkdir(parents=True, exist_ok=True)
     with Progress(SpinnerColumn(), TextColumn("{task.description}"), BarColumn(),
                   TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(), console=console) as bar:
-        task = bar.add_task("preparing the demo model", total=2 * work.users * work.turns)
-        model_dir = chosen or ensure_demo_model(s.cache_dir)
+        task = bar.add_task(f"preparing the model {model}", total=2 * work.users * work.turns)
+        model_dir = model_path(model)
         try:
             evict_namespace(s.l3_path, NAMESPACE)  # pass 1 starts cold whatever an earlier run left
         except DamagedL3:
@@ -143,6 +130,7 @@ def run_cmd(
               "host": {"cpus": os.cpu_count(), "load_avg_1m": round(os.getloadavg()[0], 2), "torch_threads": 1}}
     for i, ps in enumerate(passes):
         console.print(_table(i, ps))
+    console.print(answers_text(passes[0]), markup=False, soft_wrap=True)
     for i, ps in enumerate(passes):
         console.print(summary_line(i, ps))
     out_json.write_text(json.dumps(result, indent=2) + "\n")
