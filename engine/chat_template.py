@@ -11,6 +11,7 @@ the same jinja2 set-up as transformers: a sandboxed environment with
 ``strftime_now`` globals. Tokenize the result without adding special tokens
 (the template already wrote them), as transformers does.
 
+``chat_token_ids(template, tokenizer, messages)`` is that text's token ids;
 ``end_of_turn_ids`` gives the token ids that end an assistant turn: the
 ``eos_token_id`` of ``generation_config.json`` and ``config.json`` (an int or a
 list) and the id of the tokenizer's ``eos_token``.
@@ -195,6 +196,14 @@ def end_of_turn_ids(model_dir: str | Path, token_id: Callable[[str], int | None]
         if t is not None:
             ids.add(t)
     return tuple(sorted(ids))
+
+
+def chat_token_ids(template: ChatTemplate, tokenizer, messages: Iterable[Mapping[str, Any]],
+                   add_generation_prompt: bool = True) -> list[int]:
+    """The prompt ids of a conversation, as transformers' ``apply_chat_template(..., tokenize=True)`` gives
+    them: the rendered text encoded without added special tokens. ``tokenizer``: the engine's
+    ``Tokenizer`` (anything with ``encode(text, add_special_tokens=...)``). Used by ``tierkv serve``."""
+    return tokenizer.encode(template.render(messages, add_generation_prompt), add_special_tokens=False)
 
 
 def apply_chat_template(model_dir: str | Path, messages: Iterable[Mapping[str, Any]],

@@ -16,7 +16,7 @@ import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from tierkv.engine.chat_template import ChatTemplate, ChatTemplateError, end_of_turn_ids
+from tierkv.engine.chat_template import ChatTemplate, ChatTemplateError, chat_token_ids, end_of_turn_ids
 from tierkv.engine.sampler import SamplingParams
 from tierkv.engine.sequence import Output
 from tierkv.engine.server.errors import RequestError
@@ -103,12 +103,11 @@ class EngineClient:
                                     "--chat-template FILE, or use /v1/completions", "messages",
                                "chat_template_missing")
         try:
-            text = self.template.render(messages, add_generation_prompt)
+            return chat_token_ids(self.template, self.llm.tokenizer, messages, add_generation_prompt)
         except ChatTemplateError as exc:
             raise RequestError(400, f"messages: {exc}", "messages") from None
         except ValueError as exc:
             raise RequestError(400, str(exc), "messages") from None
-        return self.llm.tokenizer.encode(text, add_special_tokens=False)
 
     def check_fits(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """RequestError (400) when the prompt is empty, too long, or prompt + max_tokens could never fit in
