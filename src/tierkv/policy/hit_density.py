@@ -280,10 +280,22 @@ class HitDensityPolicy(EvictionPolicy):
                 continue
             item = heap[0]
             age = now - item[0]
+            # The density at this age, linear between the starts of its bin and the next
+            # (so age still orders blocks within a bin when classes look alike).
             bl = age.bit_length()
-            b = bl if bl < 2 else 2 * bl - 2 + ((age >> (bl - 2)) & 1)
+            if bl < 2:
+                b, frac = bl, 0.0
+            else:
+                shift = bl - 2
+                half = (age >> shift) & 1
+                b = 2 * bl - 2 + half
+                frac = (age - ((2 + half) << shift)) / (1 << shift)
+            if b >= BINS - 1:
+                b, frac = BINS - 2, 1.0
+            curve = density[item[3]]
+            at = curve[b]
             depth = item[2].depth
-            score = density[item[3]][b if b < BINS else BINS - 1] * (
+            score = (at + (curve[b + 1] - at) * frac) * (
                 benefit[depth] if depth < len(benefit) else self._benefit_at(depth))
             if best is None or score < best_score or (score == best_score and item[0] < best[0]):
                 best, best_score = item, score
