@@ -17,13 +17,18 @@ no bytes move. Per request:
 Metrics: ``hit_rate`` = hit blocks / all blocks; ``saved_flops_frac`` = {reference
 model: Σ prefill FLOPs of hit blocks / Σ prefill FLOPs of all blocks}, priced by
 ``tierkv.flops`` from each model's architecture (the grade; no policy parameter
-enters it); ``saved_cost`` = the same in the policy's own abstract units, a block
-at depth d costing ``1 + depth_weight·d`` (kept for comparison with old runs).
-In multi-tier mode (``--tiers l1=1000,l2=10000,l3=100000``) it also reports hits
-per tier and the cost model's estimated prefill time saved.
+enters it); ``headroom`` = the share of the LRU → oracle hit-rate gap a policy
+takes at its capacity (``--policy belady`` is the offline oracle: furthest next
+use, leaves only); ``saved_cost`` = the same fraction in the policies' own
+abstract units, a block at depth d costing ``1 + depth_weight·d`` (the store's
+default recompute growth unless ``--depth-weight``). In multi-tier mode
+(``--tiers l1=1000,l2=10000,l3=100000``) it also reports hits per tier and the
+cost model's estimated prefill time saved. ``accesses_per_cpu_s`` counts block
+accesses per second of process CPU time over the replay loops. Traces of other
+shapes come from ``tools/tracegen.py``.
 
     python tools/replay.py TRACE --capacity 1000,3000,10000,30000 \\
-        --policy lru,lfu,cost_aware --json OUT.json --plot OUT.png
+        --policy lru,cost_aware,belady,hit_density --json OUT.json --plot OUT.png
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from tierkv.config import CostConfig  # noqa: E402
 from tierkv.cost import CostModel  # noqa: E402
 from tierkv.flops import REFERENCE_MODELS  # noqa: E402
 from tierkv.index import LOCAL_TIERS, PrefixIndex  # noqa: E402
-from tierkv.policy import POLICIES, make_policy  # noqa: E402
+from tierkv.policy import DEFAULT_POLICY, POLICIES, make_policy  # noqa: E402
 from tierkv.policy.base import HeapPolicy  # noqa: E402
 
 BLOCK_TOKENS = 512
@@ -374,7 +379,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("trace", help="JSONL trace (timestamp, input_length, output_length, hash_ids)")
     p.add_argument("--capacity", type=_ints, default=None, help="single-tier capacities in blocks, e.g. 1000,3000")
     p.add_argument("--tiers", type=_tiers, default=None, help="multi-tier capacities, e.g. l1=1000,l2=10000,l3=100000")
-    p.add_argument("--policy", type=_policies, default=["lru", "lfu", "cost_aware"], help="comma-separated policies")
+    p.add_argument("--policy", type=_policies, default=["lru", "cost_aware", ORACLE, DEFAULT_POLICY],
+                   help=f"comma-separated policies (default lru,cost_aware,{ORACLE},{DEFAULT_POLICY})")
     p.add_argument("--depth-weight", type=float, default=STORE_DEPTH_WEIGHT,
                    help="the policies' cost model: a block at depth d costs 1 + W*d "
                         f"(default {STORE_DEPTH_WEIGHT:.4g}, the store's default recompute growth)")
