@@ -323,3 +323,12 @@ def test_save_chain_is_the_add_and_pin_loop(name):
     assert a.counts == b.counts and sorted(e.key for e in a.entries()) == sorted(e.key for e in b.entries())
     assert all(e.ref_count == 0 for e in a.entries())
     assert drain(a) == drain(b)
+
+
+def test_ghosts_have_an_absolute_cap(monkeypatch):
+    import tierkv.policy.hit_density as hd
+
+    monkeypatch.setattr(hd, "MAX_GHOSTS", 100)
+    index = index_with("hit_density")
+    run_stream(index, [k(f"y{i}") for i in range(3000)], 500)  # 4 x 500 would allow 2,064
+    assert len(index.policies[L1].ghosts) == 100

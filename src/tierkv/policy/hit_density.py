@@ -61,6 +61,7 @@ _DECAY = 0.95
 # Ghosts kept per block of the tier (keys of victims, with class and last use):
 # they let the densities see ages past the tier's own eviction age.
 GHOST_FACTOR = 4
+MAX_GHOSTS = 1 << 20  # ~150 MB of keys at most, whatever the tier's size
 # Lives read per update at most (of each kind: cached blocks, ghosts), beyond that a strided sample.
 _ALIVE_SAMPLE = 1 << 17
 # Scale of the density given to ages past a class's last observed hit.
@@ -163,7 +164,7 @@ class HitDensityPolicy(EvictionPolicy):
     def _trim_ghosts(self, now: int) -> None:
         """The oldest ghosts past the limit end their lives unreused; the limit follows the tier's size."""
         ghosts, ends = self.ghosts, self.end_hist
-        limit = GHOST_FACTOR * self._counts[self.tier] + 64
+        limit = min(GHOST_FACTOR * self._counts[self.tier] + 64, MAX_GHOSTS)
         while len(ghosts) > limit:
             _, (gc, glast) = ghosts.popitem(last=False)
             ends[gc][age_bin(now - glast)] += 1.0
@@ -309,7 +310,7 @@ class HitDensityPolicy(EvictionPolicy):
         # Bury it: a ghost until it returns (admit) or the oldest ghosts pass the limit.
         ghosts = self.ghosts
         ghosts[entry.key] = (c, last)
-        if len(ghosts) > GHOST_FACTOR * self._counts[self.tier] + 64:
+        if len(ghosts) > GHOST_FACTOR * self._counts[self.tier] + 64 or len(ghosts) > MAX_GHOSTS:
             self._trim_ghosts(now)
         self._events += 1
         if self._events >= self._period:
