@@ -99,3 +99,16 @@ def test_bad_input_fails_naming_what_is_allowed():
         make_router("cost_model").pick(Prompt(10, []), [])
     with pytest.raises(ValueError, match="matched 20 tokens of a 10-token prompt"):
         estimate_ttft_us(COST, (20, 0, 0, 0), 10)
+
+
+def test_a_node_counts_its_own_requests_exactly_and_others_as_last_polled():
+    from tierkv.route.nodes import Node
+    from tierkv.route.ttft import recompute_us
+
+    node = Node("http://n", cost=COST, block_size=16)
+    node.external_depth, node.inflight = 1, 2
+    c = node.candidate([b"k"], 100)
+    assert c.queue_depth == 3 and c.queue_us == 3 * recompute_us(COST, 0, 100)
+    node.inflight = 0  # our requests ended since the poll: the node is not busy with them any more
+    assert node.candidate([b"k"], 100).queue_depth == 1
+    assert node.candidate([b"k"], 100).matched == (0, 0, 0, 0)  # no subscriber yet: nothing known held

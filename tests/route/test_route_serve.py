@@ -103,6 +103,14 @@ def test_turn_two_follows_its_prefix_and_a_killed_node_costs_no_request(fleet):
     second, r2 = chat(client, convo)
     assert second == first
     assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens // 16 * 16 - 16
+    # Streamed through the router, from the same node and its cache.
+    raw = client.chat.completions.with_raw_response.create(model=client.served, messages=convo, max_tokens=8,
+                                                           temperature=0, stream=True,
+                                                           stream_options={"include_usage": True})
+    chunks = list(raw.parse())
+    assert raw.headers["x-tierkv-node"] == first
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == r2.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens >= r2.usage.prompt_tokens // 16 * 16 - 16
 
     # SIGKILL the node holding the conversation: every request still succeeds, on the other node.
     other = next(u for u in (fleet.url("a"), fleet.url("b")) if u != first)

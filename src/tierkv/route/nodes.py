@@ -37,7 +37,7 @@ class Node:
     up: bool = False
     instance_id: str = ""
     cost: CostModel | None = None
-    polled_depth: int = 0
+    external_depth: int = 0  # requests in the node's engine at the last poll that were not ours
     inflight: int = 0
     served: int = 0
     failures: int = 0
@@ -53,8 +53,13 @@ class Node:
 
     @property
     def queue_depth(self) -> int:
-        """Requests in the node's engine by its last status, or this router's own in flight if more."""
-        return max(self.polled_depth, self.inflight)
+        """This router's requests in flight there plus the others its last status counted.
+
+        The status is up to a poll old; counting our own requests from ``inflight``
+        (exact, updated as each one ends) keeps a request that just finished from
+        making the node look busy until the next poll.
+        """
+        return self.external_depth + self.inflight
 
     def match(self, keys: Sequence[bytes]) -> tuple[int, int, int, int]:
         """Leading tokens of a prompt with ``keys`` this node holds per tier, by its events."""
@@ -134,7 +139,7 @@ class NodePool:
         node.cost = CostModel(tuple(c["load_us_per_token"]), c["recompute_us_per_token"], c["growth"],
                               c["block_size"], c["block_bytes"])
         node.block_size = int(body["block_size"])
-        node.polled_depth = int(body["queue_depth"])
+        node.external_depth = max(0, int(body["queue_depth"]) - node.inflight)
         node.instance_id = body.get("instance_id", "")
         events = body.get("events")
         if events is not None:
