@@ -11,6 +11,8 @@ put_{ref,small}_off/on_bps   ``store.put_blocks`` of new blocks into a full L2 (
                               two tier events per block), blocks per second by wall clock; ``ref``: 32
                               Llama-3.1-8B blocks of 16 tokens (2 MiB) a round, ``small``: 256 of the
                               lookup bench's 16 KiB blocks, where bookkeeping is most of a put
+put_*_caller_cpu_off/on_us    the calling thread's CPU per put block (``time.thread_time``): what a save
+                              pays on its own thread; the events' delivery runs on others
 put_*_cpu_off_us / _on_us     process CPU (every thread) per put block, the clock running until
                               ``store.flush()`` returns (on both stores) and, events on, until every event
                               of the round has been sent: the events' whole cost in this process, which
@@ -119,20 +121,21 @@ def main() -> None:
     followers = {"lookup": Follower(look["on"]), **{kind: Follower(puts[kind, "on"]) for kind in PUTS}}
     counter = iter(range(10**9))
 
-    def put_round(kind: str, name: str) -> tuple[float, float]:
-        """(blocks/s as the caller sees it, process CPU µs per block including sending its events)."""
+    def put_round(kind: str, name: str) -> tuple[float, float, float]:
+        """(blocks/s as the caller sees it, the caller's CPU µs per block, process CPU µs per block
+        including sending its events)."""
         store, n = puts[kind, name], PUTS[kind][1]
         keys = [next(counter).to_bytes(16, "little") for _ in range(n)]
-        c0, t0 = time.process_time(), time.perf_counter()
+        c0, t0, u0 = time.process_time(), time.perf_counter(), time.thread_time()
         ok = store.put_blocks(keys, [blocks[kind]] * n)
-        seconds = time.perf_counter() - t0
+        seconds, caller = time.perf_counter() - t0, time.thread_time() - u0
         store.flush()  # outside the wall clock, inside the CPU clock; on both stores, so only the events differ
         if name == "on":
             followers[kind].pub.flush()
         cpu = time.process_time() - c0
         if not all(ok):
             raise SystemExit(f"put_blocks refused blocks on the events-{name} store")
-        return n / seconds, cpu / n * 1e6
+        return n / seconds, caller / n * 1e6, cpu / n * 1e6
 
     res: dict[str, list[float]] = collections.defaultdict(list)
     try:
@@ -147,8 +150,9 @@ def main() -> None:
                 res[f"lookup_{name}"].append(timed(lambda store=store: store.release(store.lookup(tokens)), 3))
             for kind in PUTS:
                 for name in order:
-                    bps, cpu_us = put_round(kind, name)
+                    bps, caller_us, cpu_us = put_round(kind, name)
                     res[f"put_{kind}_{name}"].append(bps)
+                    res[f"put_{kind}_caller_cpu_{name}"].append(caller_us)
                     res[f"put_{kind}_cpu_{name}"].append(cpu_us)
         verified = {what: f.verify() for what, f in followers.items()}
         m = look["on"].lookup(tokens)
@@ -187,6 +191,10 @@ def main() -> None:
             (f"put_{kind}_off_bps", f"{med[f'put_{kind}_off']:,.0f}", f"put_blocks of {size} blocks into a full L2"),
             (f"put_{kind}_on_bps", f"{med[f'put_{kind}_on']:,.0f}",
              f"events on; off/on {verdict(t['put_off_over_on']) if kind == 'ref' else f'{ratio:.3f} (no target)'}"),
+            (f"put_{kind}_caller_cpu_off_us", f"{med[f'put_{kind}_caller_cpu_off']:.1f}",
+             "the calling thread's CPU per block"),
+            (f"put_{kind}_caller_cpu_on_us", f"{med[f'put_{kind}_caller_cpu_on']:.1f}", "the same, events on "
+             f"({med[f'put_{kind}_caller_cpu_on'] / med[f'put_{kind}_caller_cpu_off']:.2f}x): what a save pays"),
             (f"put_{kind}_cpu_off_us", f"{med[f'put_{kind}_cpu_off']:.1f}", "process CPU per block, all threads"),
             (f"put_{kind}_cpu_on_us", f"{med[f'put_{kind}_cpu_on']:.1f}",
              f"events on, until every event is sent ({med[f'put_{kind}_cpu_on'] / med[f'put_{kind}_cpu_off']:.2f}x)"),
