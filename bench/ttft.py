@@ -6,7 +6,7 @@ figure is the median over rounds (cold included). Each timed request's ``hit_tok
 that was not served from its tier, or a miss that hit, stops the benchmark.
 
 cold_ms       a never-seen prompt, store off (enable_cache=False): prefill of every token
-miss_ms       a never-seen prompt on the store as users run it: L2 (1 GiB) and L3 on, write-back
+miss_ms       a never-seen prompt on the store as users run it: L2 (four prompts' worth) and L3 on, write-back
 l1_ms         the cached prompt, all of it in L1 but the last block (recomputed for its logits)
 l2_ms         the cached prompt with its prefix only in L2 (L1 flushed: write-back demoted it)
 l3_ms         the cached prompt with its prefix only in L3 (an engine without L2: L1 flushes to disk)
@@ -22,6 +22,7 @@ at 4096 tokens (the full run) cold/l2 >= 30 and cold/l3 >= 10.
 from __future__ import annotations
 
 import dataclasses
+import json
 import mmap
 import os
 import shutil
@@ -50,6 +51,14 @@ def checkpoint(path: str, preset: str = "small") -> str:
     if not (Path(path) / "config.json").is_file():
         write_checkpoint(path, preset, seed=0)
     return path
+
+
+def block_bytes(model: Path, block_size: int, dtype: str) -> int:
+    """Bytes of one KV block of the checkpoint at ``model`` (K and V, every layer)."""
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads", cfg["num_attention_heads"])
+    return 2 * cfg["num_hidden_layers"] * kv_heads * head_dim * block_size * (4 if dtype == "float32" else 2)
 
 
 class Timed:
@@ -162,7 +171,10 @@ def main() -> None:
 
     rows = []
     try:
-        cached = LLM(model, StoreConfig(l2=L2Config(capacity="1GiB"),
+        # L2 sized to four prompts (the cached one stays, never-seen ones are evicted first): a
+        # populated 1 GiB slab beside three models got this benchmark OOM-killed on the shared host.
+        l2_bytes = 4 * (max(lengths) // bs + 1) * block_bytes(model, bs, args.dtype)
+        cached = LLM(model, StoreConfig(l2=L2Config(capacity=l2_bytes),
                                         l3=L3Config(path=str(work / "l3-users"), capacity="1GiB")), engine)
         plain = LLM(model, StoreConfig(l3_enabled=False), engine, enable_cache=False)
         on_disk = LLM(model, StoreConfig(l2=L2Config(capacity=0), l3=L3Config(path=str(work / "l3"), capacity="1GiB")),
