@@ -94,13 +94,15 @@ def summary_line(index: int, ps: dict) -> str:
 def run_cmd(
     model: Annotated[str, typer.Option("--model", "-m", help=MODEL_HELP + " `tiny` / `small`: seeded random "
                                                               "weights, for fast tests.")] = DEFAULT_MODEL,
-    quick: Annotated[bool, typer.Option("--quick", help="A shorter chat (2 users x 2 turns), under a minute.")] = False,
+    quick: Annotated[bool, typer.Option("--quick", help="A shorter chat: 2 users x 2 turns, a 512-token system prompt, 24-token answers.")] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="Write the figures to this JSON file (the PNG chart goes next to it).")] = None,
     cache_dir: CacheDir = None, config: ConfigFile = None, debug: Debug = False,
 ) -> None:
     """The main job: replay a multi-turn chat through the engine in a fresh process, then in a restarted one.
 
-    Prints hits per tier and time to first token with the cache vs without it
+    The chat's questions are real and rendered with the model's chat template
+    (SmolLM2-135M-Instruct by default, pulled on first use); each user's first
+    answer is printed. Prints hits per tier and time to first token with the cache vs without it
     (the same prompts, measured in the same process), and writes a JSON of the
     figures and a PNG chart.
     """
