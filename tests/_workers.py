@@ -83,8 +83,7 @@ def l3_save(path: str, seeds: list[int], num_blocks: int) -> None:
     with TierKVStore(cfg, LAYOUT, l1_blocks=num_blocks) as store:
         for seed in seeds:
             save_prompt(store, prompt(seed, num_blocks, LAYOUT))
-        while store._evict(0):  # flush L1 down to L3 before exiting
-            pass
+        store.free(store.allocate(num_blocks))  # push L1 down to L3 before exiting
 
 
 def l3_fill(path: str, capacity: int, labels: list[str]) -> dict:

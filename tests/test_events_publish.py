@@ -102,6 +102,7 @@ def test_every_tier_change_of_a_store_is_one_event_in_numbered_batches(make_stor
     store.add_tier_listener(rec)
     for i in range(1, 5):  # each save of 4 blocks demotes the one before: L1 -> L2 -> L3
         save_prompt(store, prompt(i, 4, layout))
+        store.flush()  # a batch is a net change: let each arrival go out before the next save moves it on
     store.persist(save_prompt(store, prompt(9, 4, layout)))
     store.flush()
     assert pub.flush()

@@ -283,6 +283,7 @@ def test_full_disk_keeps_serving_from_l1_and_l2(make_store, layout, small_tmpfs)
     prompts = [prompt(100 + i, 4, layout) for i in range(80)]
     for p in prompts:
         save_prompt(store, p)
+    store.flush()  # demotions are written behind: their failures are counted once they were tried
     stats = store.stats()
     assert stats["failures"].get("l3_full", 0) > 0
     assert stats["usage"]["l3"][0] < 256
@@ -529,7 +530,7 @@ def l3_records(store) -> dict[bytes, tuple]:
     return {r.key: (r.slot, r.depth, r.checksum, r.parent) for r in store.l3.records()}
 
 
-@pytest.mark.parametrize("seed,moved_aside", [(0, True), (1, True), (2, False), (3, False),
+@pytest.mark.parametrize("seed,moved_aside", [(0, True), (1, False), (2, False), (3, False),
                                               (4, True), (5, False), (6, True), (7, False)])
 def test_a_randomly_damaged_l3_index_is_moved_aside_or_serves_exactly_its_intact_records(
         make_store, layout, l3_dir, seed, moved_aside):

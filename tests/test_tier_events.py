@@ -49,7 +49,7 @@ def test_listeners_see_saves_demotions_and_persists_as_the_index_does(make_store
     assert rec.net() == held_by_index(store)
     assert {(k, L3) for k in a} | {(k, L2) for k in b} | {(k, L1) for k in c} == rec.net()
     removed = [item for _, gone in rec.batches for item in gone]
-    assert {(k, L1) for k in a} <= set(removed) and {(k, L2) for k in a} <= set(removed)
+    assert {(k, L1) for k in a} <= set(removed)  # (its pass through L2 may net out within one batch)
     assert store.persist(c) == 4
     store.flush()
     assert {(k, L3) for k in c} <= rec.net() == held_by_index(store)

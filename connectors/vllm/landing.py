@@ -22,8 +22,8 @@ import threading
 import torch
 
 from tierkv.store import TierKVStore
-from tierkv.tiers.device import DeviceTier
 from tierkv.tiers.remote import trailer_room
+from tierkv.tiers.slots import SlotPool
 
 
 class LandingPool:
@@ -33,8 +33,7 @@ class LandingPool:
         self.layout = store.layout
         self._l4 = store.l4
         room = trailer_room(store.config.l4.url)
-        self.slots = DeviceTier(store.layout, num_blocks, "cpu", slot_room=room) if num_blocks else None
-        self._free = bytearray(b"\x01") * num_blocks
+        self.slots = SlotPool(store.layout, num_blocks, "cpu", room, name="landing") if num_blocks else None
         self._lock = threading.Lock()
         self.fallbacks = 0  # loads that found no free run and got a fresh tensor
         if self._l4 is not None and self.slots is not None:
@@ -43,11 +42,10 @@ class LandingPool:
     def take(self, n: int) -> torch.Tensor:
         """``[n, *block_shape]`` blocks to load into: ``n`` consecutive landing slots when a run is
         free (the caller owns them until ``give_back``), else a fresh tensor."""
+        start = self.slots.take_run(n) if self.slots is not None else -1  # -1 too for n = 0 or > the pool
+        if start >= 0:
+            return self.slots.pool[start:start + n]
         with self._lock:
-            start = self._free.find(b"\x01" * n) if n else -1  # -1 too when n exceeds the pool
-            if start >= 0:
-                self._free[start:start + n] = bytes(n)
-                return self.slots.pool[start:start + n]
             self.fallbacks += bool(n)
         return torch.empty((n, *self.layout.block_shape), dtype=self.layout.torch_dtype)
 
@@ -55,21 +53,16 @@ class LandingPool:
         """Return what ``take`` handed out once nothing reads it any more (a fresh tensor: nothing to do)."""
         if not self.owns(blocks):
             return
-        start = (blocks.data_ptr() - self.slots.pool.data_ptr()) // self.slots.slot_bytes
-        with self._lock:
-            self._free[start:start + len(blocks)] = b"\x01" * len(blocks)
+        start = self.slots.slot_at(blocks)
+        self.slots.free(list(range(start, start + len(blocks))))
 
     def owns(self, blocks: torch.Tensor) -> bool:
         """Whether ``blocks`` are landing slots (rather than a fallback tensor)."""
-        if self.slots is None or not blocks.numel():
-            return False
-        offset = blocks.data_ptr() - self.slots.pool.data_ptr()
-        return 0 <= offset < self.slots.capacity * self.slots.slot_bytes
+        return self.slots is not None and self.slots.slot_at(blocks) >= 0
 
     @property
     def num_free(self) -> int:
-        with self._lock:
-            return self._free.count(1)
+        return 0 if self.slots is None else self.slots.num_free
 
     def close(self) -> None:
         """Unregister the slots from L4; no load may still be landing in them."""

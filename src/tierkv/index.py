@@ -183,7 +183,7 @@ class PrefixIndex:
                 parent_entry = self._uncached_parents[parent] = Entry(parent, None, max(depth - 1, 0))
             parent_entry.children[tier] += 1
             if parent_entry.children[tier] == 1 and parent_entry.handles[tier] is not None:
-                self.policies[tier].discard(parent_entry)  # _unlist, inlined (hot path)
+                self.policies[tier].discard(parent_entry)  # no longer a leaf in this tier
         if entry.ref_count == 0 and not entry.children[tier]:  # _relist, inlined
             policy = self.policies[tier]
             if policy is not None:
@@ -371,6 +371,3 @@ class PrefixIndex:
             if policy is not None:
                 policy.add(entry)
 
-    def _unlist(self, entry: Entry, tier: int) -> None:
-        if entry.handles[tier] is not None:
-            self.policies[tier].discard(entry)

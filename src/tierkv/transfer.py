@@ -1,10 +1,12 @@
 """Moves bytes between tiers and signals completion; owns no cache state (docs/design.md §9).
 
-On CUDA: one stream for host->device and one for device->host, an event per
-batch; a load's ``ready`` is set once its event has completed, so the engine
-waits only just before the first layer that needs the blocks. Disk and remote
-IO run on a worker thread, so an L3 read of block k+1 overlaps the device copy
-of block k. Without CUDA the same handles complete on threads, with every CPU
+On CUDA: one stream for host->device copies, an event per batch; a load's
+``ready`` is set once its event has completed, so the engine waits only just
+before the first layer that needs the blocks. Device->host copies (demotions,
+write-through) run on the caller's stream and are synchronised with
+``d2h_sync`` before their source is reused. Disk and remote IO, reads and
+writes, run in order on one IO thread (the store's writes never run under its
+lock), so an L3 read of block k+1 overlaps the device copy of block k. Without CUDA the same handles complete on threads, with every CPU
 copy a single-threaded memmove (see ``tiers.base.copy_block``).
 """
 
@@ -18,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tierkv.tiers.base import leading_ok
+
 
 @dataclass
 class LoadResult:
@@ -29,12 +33,7 @@ class LoadResult:
 
     @property
     def num_ok(self) -> int:
-        n = 0
-        for flag in self.ok:
-            if not flag:
-                break
-            n += 1
-        return n
+        return leading_ok(self.ok)
 
 
 class LoadHandle:
@@ -80,7 +79,6 @@ class TransferEngine:
         self._copy = ThreadPoolExecutor(1, thread_name_prefix="tierkv-copy")
         if self.cuda:
             self.h2d = torch.cuda.Stream(device)
-            self.d2h = torch.cuda.Stream(device)
 
     def io(self, fn: Callable, *args) -> Future:
         """Run ``fn`` on the IO thread (disk and remote tiers)."""

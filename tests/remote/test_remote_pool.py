@@ -304,7 +304,7 @@ def test_write_through_selective_puts_to_l4_on_the_second_hit(redis_server, tmp_
 
 
 def test_l4_put_queue_is_capped_and_drains_after_a_hang(redis_server, tmp_path, layout):
-    from tierkv.store_writes import L4_MAX_QUEUED
+    from tierkv.outbox import OUTBOX_BLOCKS as L4_MAX_QUEUED
 
     extra = 44
     n = L4_MAX_QUEUED + extra

@@ -9,10 +9,14 @@ reported per key (``False``), never raised for a lost or bad block.
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol, runtime_checkable
 
 import torch
+import xxhash
+
+FailureHook = Callable[[str, str, int, str], None]
+"""``on_failure(tier, reason, blocks, detail)``: how a tier reports a failure it turned into a miss."""
 
 
 class Lineage(NamedTuple):
@@ -24,17 +28,25 @@ class Lineage(NamedTuple):
 
 @runtime_checkable
 class BlockTier(Protocol):
+    """A key-addressed store of fixed-size blocks: ``l1`` device slots, ``l2`` host DRAM,
+    ``l3`` local disk, ``l4`` a remote pool."""
+
     name: str
 
     @property
     def capacity(self) -> int:
-        """Blocks this tier can hold."""
+        """Blocks this tier can hold (L4: unbounded, the pool evicts on its own)."""
 
     @property
     def used(self) -> int:
-        """Blocks this tier holds now."""
+        """Blocks this tier holds now (L4: -1, unknown)."""
 
     def contains(self, keys: Sequence[bytes]) -> list[bool]: ...
+
+    def view(self, key: bytes) -> torch.Tensor | None:
+        """The block's bytes in place (no copy), valid while the store pins the block; None when
+        the tier cannot lend them (not held; on disk or remote; a shared slab another process may
+        reuse at any time): then ``get`` copies them out."""
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
             lineage: Sequence[Lineage]) -> list[bool]:
@@ -65,6 +77,29 @@ def copy_block(dst: torch.Tensor, src: torch.Tensor) -> None:
 
 
 _memmove = ctypes.memmove  # (dst address, src address, n); releases the GIL
+
+
+def round_up(n: int, step: int) -> int:
+    """``n`` rounded up to a multiple of ``step``."""
+    return -(-n // step) * step
+
+
+def checksum(key: bytes, data) -> int:
+    """The 64-bit checksum tiers store beside a block: xxh3 of its bytes, seeded by its key (so a
+    block read back under another key fails it). ``data``: a bytes-like object or a CPU tensor."""
+    if isinstance(data, torch.Tensor):
+        data = as_bytes(data)
+    return xxhash.xxh3_64_intdigest(data, seed=int.from_bytes(key[:8], "little"))
+
+
+def leading_ok(flags: Sequence[bool]) -> int:
+    """Length of the leading run of True in ``flags`` (the usable prefix of a batch)."""
+    n = 0
+    for flag in flags:
+        if not flag:
+            break
+        n += 1
+    return n
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:

@@ -1,112 +1,125 @@
-"""L1: the engine's block pool (docs/design.md §5).
+"""L1: the engine's block pool as a tier (DESIGN §5).
 
-One tensor ``pool[num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim]``
-on the device (a CPU tensor where there is no CUDA; there each slot may keep
-room after its block for a remote pool's value trailer, and the pool is then
-a strided view whose blocks are each contiguous). Slots are handed out from
-a free list; the store's index decides which cached block a slot holds and who
-pins it. Not thread-safe: the store calls it under its lock.
+A ``SlotPool`` on the device (``pool[num_blocks, num_layers, 2, block_size,
+num_kv_heads, head_dim]``; a CPU pool where there is no CUDA) plus the map
+from block key to slot. Slots are handed to the engine by ``allocate``; a slot
+the engine filled becomes a cached block by ``adopt``; ``put`` copies a block
+into a fresh slot (a load or a promotion). The store's index decides which
+block is kept and who pins it; this class only keeps the map true.
+
+Thread-safety: the map is changed only under the store's lock; the pool's
+free list has its own lock.
 """
 
 from __future__ import annotations
 
-import mmap
+from collections.abc import Sequence
 
 import torch
 
 from tierkv.layout import KVLayout
+from tierkv.tiers.base import Lineage, copy_block
+from tierkv.tiers.slots import OutOfBlocks, SlotPool, resolve_device
 
-
-class OutOfBlocks(RuntimeError):
-    """L1 has no free slot and nothing evictable: the engine must wait or preempt."""
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"l1.device: {name!r} asked for but CUDA is not available; use 'auto' or 'cpu'")
-    return dev
+__all__ = ["DeviceTier", "OutOfBlocks", "resolve_device"]
 
 
 class DeviceTier:
+    """L1 as a BlockTier: ``SlotPool`` slots named by block key, plus private slots for the engine."""
+
     name = "l1"
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: str | torch.device = "auto",
                  slot_room: int = 0) -> None:
-        """``slot_room``: bytes the CPU pool keeps free after every block (0: blocks back to back).
-
-        A remote pool that moves registered memory (Mooncake) lands a whole
-        value, block and trailer, in one piece when each slot has room for the
-        trailer after its block (``tiers.remote.trailer_room``). Slots stay
-        page-aligned (the room is rounded up to a page), so L3 reads still
-        land in them with O_DIRECT. Ignored on CUDA (a CUDA pool is never
-        registered with a pool client); ``slot_bytes`` says what was used.
-        """
-        if slot_room < 0:
-            raise ValueError(f"l1 slot_room: expected >= 0 bytes, got {slot_room}")
+        """``slot_room``: bytes each CPU slot keeps free after its block (see ``SlotPool``): a remote
+        pool that moves registered memory (Mooncake) then lands a whole value, block and trailer,
+        in one piece (``tiers.remote.trailer_room``)."""
+        self.slots = SlotPool(layout, num_blocks, device, slot_room, name="l1")
         self.layout = layout
-        self.device = resolve_device(device) if isinstance(device, str) else device
-        if self.device.type == "cpu":
-            # Page-aligned so L3 reads land in L1 slots with O_DIRECT and no bounce copy.
-            self.slot_bytes = layout.block_bytes
-            if slot_room:
-                self.slot_bytes = _round_up(layout.block_bytes + slot_room, mmap.PAGESIZE)
-            self._mm = mmap.mmap(-1, max(1, num_blocks * self.slot_bytes))
-            items = num_blocks * self.slot_bytes // layout.itemsize
-            flat = torch.frombuffer(self._mm, dtype=layout.torch_dtype, count=items)
-            shape = layout.pool_shape(num_blocks)
-            dense = torch.empty(shape, dtype=layout.torch_dtype, device="meta").stride()
-            self.pool = flat.as_strided(shape, (self.slot_bytes // layout.itemsize, *dense[1:]))
-        else:
-            self.slot_bytes = layout.block_bytes
-            self.pool = torch.zeros(layout.pool_shape(num_blocks), dtype=layout.torch_dtype, device=self.device)
-        # Pop from the end; lowest slot ids first keeps tests' block ids predictable.
-        self._free = list(range(num_blocks - 1, -1, -1))
-        self._is_free = bytearray(b"\x01" * num_blocks)
+        self.device = self.slots.device
+        self.pool = self.slots.pool
+        self.slot_bytes = self.slots.slot_bytes
+        self._by_key: dict[bytes, int] = {}
+
+    # -- the slot pool, for the engine -----------------------------------------
 
     @property
-    def capacity(self) -> int:
-        return self.pool.shape[0]
-
-    @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    def allocate(self, n: int) -> list[int]:
-        """Take ``n`` free slots (the caller owns them until ``free``); OutOfBlocks if fewer."""
-        if n > len(self._free):
-            raise OutOfBlocks(f"l1: asked for {n} slots, {len(self._free)} free")
-        slots = [self._free.pop() for _ in range(n)]
-        for slot in slots:
-            self._is_free[slot] = 0
-        return slots
-
-    def free(self, slots: list[int]) -> None:
-        """Return slots to the free list; a slot freed twice (or not ours) raises ValueError.
-
-        A double free would hand one slot to two blocks: silently wrong bytes later.
-        """
-        seen: set[int] = set()
-        for slot in slots:
-            if (not (isinstance(slot, int) and 0 <= slot < len(self._is_free)) or self._is_free[slot]
-                    or slot in seen):
-                raise ValueError(f"l1: slot {slot!r} is already free or not an L1 slot")
-            seen.add(slot)
-        for slot in reversed(slots):
-            self._is_free[slot] = 1
-            self._free.append(slot)
-
-    def block(self, slot: int) -> torch.Tensor:
-        """A view of one slot's canonical block (no copy; contiguous, whatever the slot room)."""
-        return self.pool[slot]
+    def _mm(self):
+        return self.slots._mm
 
     @property
     def slot_room(self) -> int:
-        """Bytes after each block that belong to no block (a remote pool may write value trailers there)."""
-        return self.slot_bytes - self.layout.block_bytes
+        return self.slots.slot_room
 
+    @property
+    def num_free(self) -> int:
+        return self.slots.num_free
 
-def _round_up(n: int, step: int) -> int:
-    return -(-n // step) * step
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` private slots (the caller owns them until ``free`` or ``adopt``); OutOfBlocks if fewer."""
+        return self.slots.allocate(n)
+
+    def free(self, slots: Sequence[int]) -> None:
+        """Return private slots; a slot freed twice (or not ours) raises ValueError."""
+        self.slots.free(list(slots))
+
+    def block(self, slot: int) -> torch.Tensor:
+        """A view of one slot's block (no copy; contiguous, whatever the slot room)."""
+        return self.slots.block(slot)
+
+    def adopt(self, key: bytes, slot: int) -> None:
+        """The private ``slot`` now holds block ``key`` (the engine filled it, or a load landed there)."""
+        self._by_key[key] = slot
+
+    def slot_of(self, key: bytes) -> int | None:
+        return self._by_key.get(key)
+
+    # -- BlockTier ---------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return self.slots.capacity
+
+    @property
+    def used(self) -> int:
+        return len(self._by_key)
+
+    def contains(self, keys: Sequence[bytes]) -> list[bool]:
+        return [k in self._by_key for k in keys]
+
+    def view(self, key: bytes) -> torch.Tensor | None:
+        slot = self._by_key.get(key)
+        return None if slot is None else self.slots.block(slot)
+
+    def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
+            lineage: Sequence[Lineage] | None = None) -> list[bool]:
+        """Copy each block into a fresh slot; False where no slot is free. Held keys are kept."""
+        out = []
+        for key, src in zip(keys, blocks):
+            if key not in self._by_key:
+                got = self.slots.try_allocate(1)
+                if got is None:
+                    out.append(False)
+                    continue
+                copy_block(self.slots.block(got[0]), src)
+                self._by_key[key] = got[0]
+            out.append(True)
+        return out
+
+    def get(self, keys: Sequence[bytes], dst: Sequence[torch.Tensor]) -> list[bool]:
+        out = []
+        for key, d in zip(keys, dst):
+            slot = self._by_key.get(key)
+            if slot is not None:
+                copy_block(d, self.slots.block(slot))
+            out.append(slot is not None)
+        return out
+
+    def remove(self, keys: Sequence[bytes]) -> None:
+        """Forget the blocks and free their slots."""
+        slots = [s for s in (self._by_key.pop(k, None) for k in keys) if s is not None]
+        if slots:
+            self.slots.free(slots)
+
+    def close(self) -> None:
+        pass

@@ -27,16 +27,15 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import lmdb
 import torch
-import xxhash
 
 from tierkv.layout import KVLayout
-from tierkv.tiers.base import Lineage, as_bytes
+from tierkv.tiers.base import FailureHook, Lineage, as_bytes, checksum, round_up
 from tierkv.tiers.disk_open import (
     DAMAGE, Damaged, check_before_mapping, foreign_layout, has_data, open_checked, read_count,
 )
@@ -45,13 +44,6 @@ log = logging.getLogger("tierkv")
 ALIGN = 4096
 _REC = struct.Struct("<IIQd")  # slot, depth, checksum, created; parent hash follows (0 or 16 bytes)
 _SLOT = struct.Struct(">I")    # free-list keys sort by slot number
-
-FailureHook = Callable[[str, str, int, str], None]  # (tier, reason, blocks, detail)
-
-
-def _round_up(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
-
 
 class Record:
     __slots__ = ("key", "slot", "depth", "checksum", "created", "parent")
@@ -90,7 +82,7 @@ class DiskTier:
         self.path = Path(path).expanduser()
         self.layout = layout
         self.block_bytes = layout.block_bytes
-        self.stride = _round_up(layout.block_bytes)
+        self.stride = round_up(layout.block_bytes, ALIGN)
         self._hooked = on_failure is not None
         self._on_failure = on_failure or (lambda *a: None)
         if not create and not (self.path / "index").exists():
@@ -229,6 +221,10 @@ class DiskTier:
         with self._env.begin() as txn:
             return txn.stat(self._blocks)["entries"]
 
+    def view(self, key: bytes) -> None:
+        """Never: the bytes are on disk (``get`` reads them)."""
+        return None
+
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         try:
             with self._env.begin() as txn:
@@ -263,9 +259,9 @@ class DiskTier:
                                         [keys[i] for i, _ in todo])
                 os.fdatasync(self._fd)
                 now = time.time()
-                for (i, slot), checksum in zip(todo, sums):
+                for (i, slot), crc in zip(todo, sums):
                     parent, depth = lineage[i]
-                    txn.put(keys[i], _REC.pack(slot, depth, checksum, now) + (parent or b""), db=self._blocks)
+                    txn.put(keys[i], _REC.pack(slot, depth, crc, now) + (parent or b""), db=self._blocks)
                     out[i] = True
         except OSError as exc:
             reason = "full" if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT) else "io"
@@ -442,7 +438,7 @@ class DiskTier:
                 bounce = self._bounce
                 view = memoryview(bounce)
                 view[: self.block_bytes] = as_bytes(src.contiguous())
-                sums[j] = _checksum(key, view[: self.block_bytes])
+                sums[j] = checksum(key, view[: self.block_bytes])
                 self._pwrite(view, slot, 1)
             else:
                 direct.append((slot, j, view))
@@ -456,15 +452,19 @@ class DiskTier:
                 self._pwrite([item[2] for item in run], run[0][0], len(run))
         finally:
             found = future.result() if future is not None else _checksums(todo)
-        for (_, j, _), checksum in zip(sorted(direct, key=lambda item: item[1]), found):
-            sums[j] = checksum
+        for (_, j, _), crc in zip(sorted(direct, key=lambda item: item[1]), found):
+            sums[j] = crc
         return sums
 
     def _pwrite(self, views, slot: int, count: int) -> None:
         views = views if isinstance(views, list) else [views]
-        n = os.pwritev(self._fd, views, slot * self.stride)
-        if n != count * self.stride:
-            raise OSError(errno.EIO, f"short write at slot {slot}: {n} of {count * self.stride} bytes")
+        offset, total = slot * self.stride, count * self.stride
+        done = os.pwritev(self._fd, views, offset)
+        while done < total:  # a short write (a disk filling up): continue it, so a full disk says ENOSPC
+            n = os.pwritev(self._fd, _skip(views, done), offset + done)
+            if n <= 0:
+                raise OSError(errno.EIO, f"short write at slot {slot}: {done} of {total} bytes")
+            done += n
 
     def _read_one(self, rec: Record, dst: torch.Tensor) -> bool:
         if rec.slot >= self._capacity and rec.slot >= self._refresh_capacity():
@@ -476,7 +476,7 @@ class DiskTier:
         n = os.preadv(self._fd, [target], rec.slot * self.stride)
         if n < self.block_bytes:
             return False
-        if _checksum(rec.key, target[: self.block_bytes]) != rec.checksum:
+        if checksum(rec.key, target[: self.block_bytes]) != rec.checksum:
             return False
         if view is None:
             staged = torch.frombuffer(bounce, dtype=torch.uint8, count=self.block_bytes)
@@ -513,6 +513,19 @@ class DiskTier:
             self._on_failure("l3", "index", len(recs), f"{self.path}: {exc}")
 
 
+def _skip(views: list, n: int) -> list[memoryview]:
+    """The buffers ``views`` without their first ``n`` bytes."""
+    out = []
+    for v in views:
+        v = memoryview(v).cast("B")
+        if n >= len(v):
+            n -= len(v)
+            continue
+        out.append(v[n:])
+        n = 0
+    return out
+
+
 _MAX_RUN = 64  # blocks per preadv/pwritev (well under IOV_MAX; 32 MiB at 512 KiB blocks)
 
 
@@ -528,12 +541,8 @@ def _runs(items: list[tuple], limit: int = _MAX_RUN) -> Iterator[list[tuple]]:
         yield run
 
 
-def _checksum(key: bytes, data) -> int:
-    return xxhash.xxh3_64_intdigest(data, seed=int.from_bytes(key[:8], "little"))
-
-
 def _checksums(items: list[tuple[bytes, memoryview]]) -> list[int]:
-    return [_checksum(key, view) for key, view in items]
+    return [checksum(key, view) for key, view in items]
 
 
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (owning pid, pool): a forked child makes its own

@@ -22,10 +22,9 @@ import threading
 from collections.abc import Sequence
 
 import torch
-import xxhash
 
 from tierkv.layout import KVLayout
-from tierkv.tiers.base import Lineage, _memmove, as_bytes, copy_block
+from tierkv.tiers.base import Lineage, _memmove, checksum, copy_block
 
 log = logging.getLogger("tierkv")
 _SHARED_REC = struct.Struct("<IQ")  # slot, checksum
@@ -105,6 +104,14 @@ class HostTier:
     def contains(self, keys: Sequence[bytes]) -> list[bool]:
         return [self._slots.find(k) is not None for k in keys]
 
+    def view(self, key: bytes) -> torch.Tensor | None:
+        """The block's slot in place; None on a shared slab (another process may reuse the slot:
+        ``get`` copies it out and checks it)."""
+        if self._shared:
+            return None
+        found = self._slots.find(key)
+        return None if found is None else self.slab[found[0]]
+
     def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
             lineage: Sequence[Lineage] | None = None) -> list[bool]:
         """Copy blocks into free slots; False for a key when the slab is full. Existing keys are kept."""
@@ -125,7 +132,7 @@ class HostTier:
                 self._copy_in(slot, src)
                 if src.device.type != "cpu":  # the device->host copy above is asynchronous
                     torch.cuda.current_stream(src.device).synchronize()
-                self._slots.commit(key, slot, _checksum(key, self.slab[slot]))
+                self._slots.commit(key, slot, checksum(key, self.slab[slot]))
             out.append(True)
         return out
 
@@ -146,9 +153,9 @@ class HostTier:
             self._copy_out(d, found[0])
             if d.device.type != "cpu":
                 torch.cuda.current_stream().synchronize()
-                ok = _checksum(key, d.cpu()) == found[1]
+                ok = checksum(key, d.cpu()) == found[1]
             else:
-                ok = _checksum(key, d) == found[1]
+                ok = checksum(key, d) == found[1]
             out.append(ok)
         return out
 
@@ -179,10 +186,6 @@ class HostTier:
             torch.cuda.cudart().cudaHostUnregister(self.slab.data_ptr())
             self.pinned = False
         self._slots.close()
-
-
-def _checksum(key: bytes, block: torch.Tensor) -> int:
-    return xxhash.xxh3_64_intdigest(as_bytes(block), seed=int.from_bytes(key[:8], "little"))
 
 
 class _LocalSlots:

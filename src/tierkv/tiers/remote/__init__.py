@@ -16,7 +16,7 @@ from tierkv.tiers.remote.codec import TRAILER_BYTES
 
 __all__ = ["RemoteTier", "open_backend", "open_remote", "trailer_room"]
 
-REDIS_SCHEMES = ("redis", "rediss", "valkey", "redis+cluster")
+REDIS_SCHEMES = tuple(s for s in L4Config.SCHEMES if s != "mooncake")  # config names the schemes once
 
 
 def trailer_room(url: str) -> int:
@@ -41,7 +41,7 @@ def open_backend(url: str, timeout_ms: int, value_bytes: int):
         from tierkv.tiers.remote.mooncake import MooncakeBackend
 
         return MooncakeBackend(url, timeout_ms, value_bytes)
-    raise ValueError(f"l4.url: expected a URL with scheme one of {['mooncake', *REDIS_SCHEMES]}, got {url!r}")
+    raise ValueError(f"l4.url: expected a URL with scheme one of {list(L4Config.SCHEMES)}, got {url!r}")
 
 
 def open_remote(config: L4Config, layout: KVLayout, on_failure: FailureHook | None = None) -> RemoteTier:

@@ -22,10 +22,9 @@ from typing import Protocol
 import torch
 
 from tierkv.layout import KVLayout
-from tierkv.tiers.base import Lineage
+from tierkv.tiers.base import FailureHook, Lineage
 from tierkv.tiers.remote.codec import OK, ValueCodec
 
-FailureHook = Callable[[str, str, int, str], None]  # (tier, reason, blocks, detail)
 Landed = Callable[[int, int, bytes], None]  # (index, length, tail): value ``index`` is in its block
 _FAILED = object()  # what ``RemoteTier._call`` returns for a skipped or failed call
 
@@ -218,6 +217,10 @@ class RemoteTier:
     def used(self) -> int:
         return -1
 
+    def view(self, key: bytes) -> None:
+        """Never: the bytes are remote (``get`` fetches them)."""
+        return None
+
     def key_name(self, key: bytes) -> str:
         """The pool's name for ``key``: ``<key_prefix>/<fingerprint>/<hex key>``."""
         return self._name_prefix + key.hex()
@@ -290,7 +293,7 @@ class RemoteTier:
         one block, that blocks are put from and got into, so the backend moves them without
         staging copies. The caller keeps it alive until ``close``.
 
-        ``room``: the pool keeps that many bytes free after every block (``DeviceTier``'s
+        ``room``: the pool keeps that many bytes free after every block (``SlotPool``'s
         ``slot_room``) and lets the tier write there: a backend may then land a whole value,
         block and trailer, in one piece. Pass it only for memory whose room no block uses.
         A CUDA tensor is ignored (its blocks travel through CPU bounce buffers), as is a pool

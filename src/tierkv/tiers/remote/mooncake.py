@@ -20,7 +20,7 @@ URL: ``mooncake://MASTER_HOST:PORT[?option=value&...]``. Options:
 Blocks in memory registered with ``register`` (the store registers its L1
 pool and L2 slab) move without a staging copy. Where each block is followed
 by room for its trailer (the store's L1 pool when L4 is Mooncake:
-``DeviceTier(slot_room=...)``), a value moves in one piece: the trailer is
+``SlotPool(slot_room=...)``), a value moves in one piece: the trailer is
 written into the room and ``batch_put_from`` sends block and trailer as one
 value; ``batch_get_into`` lands the whole value in the slot, trailer in the
 room. Elsewhere ``batch_put_from_multi_buffers`` sends a value as the block in
