@@ -308,7 +308,7 @@ class DiskTier:
                 self._on_failure("l3", "io", len(run), f"{self.path}: {exc}")
                 continue
             for j, (_, rec, i, view) in enumerate(run):
-                if n >= (j + 1) * self.stride and _checksum(rec.key, view) == rec.checksum:
+                if n >= (j + 1) * self.stride and checksum(rec.key, view) == rec.checksum:
                     out[i] = True
                 else:
                     bad.append(rec)
