@@ -215,8 +215,14 @@ class MooncakePool:
         raw = MooncakeDistributedStore()
         assert raw.setup("127.0.0.1", self.metadata, 0, 16 << 20, "tcp", "", f"127.0.0.1:{self.rpc_port}") == 0
         try:
-            raw.remove(name, True)
-            assert raw.put(name, value) == 0, f"planting {name} failed"
+            # Setting up the test, not testing: on a loaded host the master's RPC can time out, so retry.
+            deadline = time.monotonic() + 60
+            while True:
+                raw.remove(name, True)
+                if raw.put(name, value) == 0:
+                    break
+                assert time.monotonic() < deadline, f"planting {name} failed"
+                time.sleep(0.2)
         finally:
             raw.close()
 
