@@ -175,7 +175,8 @@ class HitDensityPolicy(EvictionPolicy):
         They count as censored lives: their time so far is exposure without a
         hit. Reads every one up to ``_ALIVE_SAMPLE`` of each kind, past that an
         evenly strided sample weighted by its stride (bounded work per update);
-        ``_update`` runs at most once per as many events as there are lives.
+        ``_update`` runs at most once per as many events as there are lives,
+        or index entries and ghosts if those are more (the work of this scan).
         """
         alive = [[0.0] * BINS for _ in range(CLASSES)]
         if self.index is None:
@@ -197,7 +198,12 @@ class HitDensityPolicy(EvictionPolicy):
         self.updates += 1
         widths = _WIDTHS
         alive = self._alive()
-        self._period = max(_MIN_PERIOD, int(sum(map(sum, alive))))
+        # At least as many events as _alive just read: a small tier over a large
+        # index (a 64-block L2 above a million-block L3) would otherwise rescan
+        # the index every few lookups. Where the tier is the whole index, as in
+        # a one-tier replay, the two counts are the same.
+        scanned = len(self.index) + len(self.ghosts) if self.index is not None else 0
+        self._period = max(_MIN_PERIOD, int(sum(map(sum, alive))), scanned)
         ended = [[e + a for e, a in zip(ends, live)] for ends, live in zip(self.end_hist, alive)]
         pooled_hits = [sum(h[b] for h in self.hit_hist) for b in range(BINS)]
         pooled_ends = [sum(e[b] for e in ended) for b in range(BINS)]
