@@ -41,10 +41,15 @@ from _common import finish, parser, print_table, target  # noqa: E402
 ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
        "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 PREFIX, BLOCK = 2048, 128
+# 64 KV blocks of 128 tokens (377 MB at fp32): three engines must fit beside other work on a small box.
 LLM_ARGS = {"dtype": "float32", "max_model_len": 4096, "enable_prefix_caching": True, "disable_log_stats": False,
-            "max_num_batched_tokens": 4096, "seed": 0}
+            "max_num_batched_tokens": 4096, "num_gpu_blocks_override": 64, "seed": 0}
 QUESTION = "\nQuestion: in one sentence, what is the document above about?\nAnswer:"
 OFFLOAD_REFUSAL = "CPU Offloading is currently only supported"
+# vLLM's message queues busy-poll for 1 s after each message (shm_broadcast's SpinCondition): an
+# engine that just answered keeps a core busy that long. Each timed request waits this out first,
+# so no contender is timed while another engine's idle spin takes one of the 2 cores.
+SETTLE_S = 1.2
 
 
 # -- child: one vllm.LLM, driven over stdin/stdout --------------------------------------------------
@@ -114,6 +119,7 @@ class Engine:
                 self._q.put(json.loads(line[9:]))
             else:
                 self.log.write(line)
+                self.log.flush()
         self._q.put(None)
 
     def result(self, timeout: float = 900):
@@ -126,6 +132,8 @@ class Engine:
         return got
 
     def call(self, op: str, **args):
+        if op == "generate":
+            time.sleep(SETTLE_S)
         self.proc.stdin.write(json.dumps({"op": op, **args}) + "\n")
         self.proc.stdin.flush()
         return self.result()
@@ -200,7 +208,7 @@ def main() -> None:
     shared, misses = prompts(model, reps)
     work = Path(tempfile.mkdtemp(prefix="tierkv-vllm-e2e-"))
     l3 = work / "l3"
-    conn_cfg = {"l2": {"capacity": "512MiB"}, "l3": {"path": str(l3), "capacity": "1GiB"}}
+    conn_cfg = {"l2": {"capacity": "256MiB"}, "l3": {"path": str(l3), "capacity": "1GiB"}}
     xfer = {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.connectors.vllm",
             "kv_role": "kv_both", "kv_connector_extra_config": conn_cfg}
     offload = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
@@ -219,9 +227,6 @@ def main() -> None:
         noconn.call("generate", prompt=shared)        # warm-up
         stored = wait_l3(l3, PREFIX // BLOCK)
         engines["restart"] = restart = Engine("restart", {**base, "xfer": xfer}, work)
-        offloader = Engine("offload", {**base, "xfer": offload}, work)
-        off = offloader.result()
-        offloader.close()
         if "ready" not in restart.result():
             raise RuntimeError("restart did not start")
         restart_hits0 = restart.call("hits").get("l3", 0)
@@ -255,6 +260,9 @@ def main() -> None:
     finally:
         for e in engines.values():
             e.close()
+    offloader = Engine("offload", {**base, "xfer": offload}, work)  # alone, after the others: memory
+    off = offloader.result()
+    offloader.close()
 
     ms = {k: statistics.median(s["ms"] for s in v) for k, v in samples.items()}
     want_cached = {"cold": 0, "vllm_hit": PREFIX, "tierkv_l2": PREFIX, "tierkv_l3": PREFIX, "miss": 0, "noconn_miss": 0}

@@ -12,7 +12,7 @@ then reads one JSON command per stdin line and answers each with one
   while blocks of a finished request still wait for their saves;
 - ``{"op": "metrics"}``: the ``tierkv_*`` and ``vllm:num_preemptions_total`` samples
   of vLLM's Prometheus registry, summed over the engine label;
-- ``{"op": "pids"}``: the process ids of this process's descendants (EngineCore, worker);
+- ``{"op": "pids"}``: ``[pid, name]`` of this process's descendants (EngineCore, worker);
 - ``{"op": "exit"}``: ``del llm`` (vLLM's shutdown: the connector's too), then exit.
 """
 
@@ -81,7 +81,8 @@ def main() -> None:
         elif op == "metrics":
             result = _metrics(llm)
         elif op == "pids":
-            result = [p.pid for p in psutil.Process().children(recursive=True)]
+            # vLLM titles its processes (setproctitle): the command line reads "VLLM::Worker".
+            result = [[p.pid, " ".join(p.cmdline()).strip()] for p in psutil.Process().children(recursive=True)]
         elif op == "exit":
             del llm
             gc.collect()

@@ -14,7 +14,8 @@ tests check its record:
    small capacities — plus a real redis-server as L4: P, ``reset_prefix_cache``,
    P again; Q; S; the preemption batch;
 3. ``other``: a second instance with its own L3, the same redis, alive with
-   ``writer``: S, which only ``writer`` computed; then a clean exit;
+   ``writer``, and both connector halves in its one process (UniProcExecutor):
+   S, which only ``writer`` computed; then a clean exit;
 4. ``writer`` is sent four new prompts and SIGKILLed (whole process group) as
    soon as the first of their blocks is indexed in L3: mid-save;
 5. one block of Q is damaged in the slot file; ``reader``, a fresh process on
@@ -86,8 +87,10 @@ def run(tmp_path_factory) -> dict:
         base = Driver({"model": str(model), "connector": None, "llm": LLM_ARGS}, tmp / "base.log", wait=False)
         writer = Driver({"model": str(model), "connector": config(d1), "llm": LLM_ARGS}, tmp / "writer.log",
                         wait=False)
-        other = Driver({"model": str(model), "connector": config(d2), "llm": LLM_ARGS}, tmp / "other.log",
-                       wait=False)
+        # ``other`` runs both halves in its own process (UniProcExecutor, as on one GPU today).
+        other = Driver({"model": str(model), "connector": config(d2),
+                        "llm": {**LLM_ARGS, "distributed_executor_backend": "uni"}}, tmp / "other.log",
+                       env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}, wait=False)
         base.wait_ready()
         rec["base"] = dict(zip("PQS", _one_by_one(base, [P, Q, S])))
         rec["base_killed"] = _one_by_one(base, KILLED)
@@ -106,6 +109,8 @@ def run(tmp_path_factory) -> dict:
         rec["l3_before_kill"] = wait_l3(d1, 3 * 8)
 
         other.wait_ready()
+        rec["o_procs"] = other.call("pids")
+        rec["w_procs"] = writer.call("pids")
         rec["o_s"] = _gen(other, [S])[0]
         rec["o_metrics"] = other.call("metrics")
         rec["o_exit_rc"] = other.exit()
@@ -175,6 +180,12 @@ def test_restart_hits_from_l3_identical_ids_and_fp32_logprobs(run):
 
 
 def test_two_instances_on_one_redis_l4(run):
+    """And both process layouts: ``writer`` has EngineCore and a worker process, ``other`` neither."""
+    def titles(procs):
+        return {name.split()[0] for _, name in procs if name.startswith("VLLM::")}
+
+    assert titles(run["w_procs"]) == {"VLLM::EngineCore", "VLLM::Worker"}, run["w_procs"]
+    assert titles(run["o_procs"]) == set(), run["o_procs"]
     o = run["o_s"]
     assert o["cached"] == (N // BLOCK - 1) * BLOCK
     assert run["o_metrics"]["tierkv_hits_total|tier=l4"] == N // BLOCK - 1
