@@ -217,9 +217,11 @@ class MooncakePool:
         try:
             # Setting up the test, not testing: on a loaded host the master's RPC can time out, so retry.
             deadline = time.monotonic() + 60
+            # A put that answered 0 has been seen not to be there a moment later (once, at load 8):
+            # the plant counts only once the master lists the object.
             while True:
                 raw.remove(name, True)
-                if raw.put(name, value) == 0:
+                if raw.put(name, value) == 0 and raw.is_exist(name) == 1:
                     break
                 assert time.monotonic() < deadline, f"planting {name} failed"
                 time.sleep(0.2)
