@@ -15,8 +15,9 @@ interleaved round by round (the order rotates), median of ``--reps`` each:
 
 Checked, not assumed: every timed hit reports 2,048 cached tokens and a miss 0, ``restart``'s
 ``tierkv_hits_total{tier="l3"}`` grew by 16 blocks per run, and ``identical``: the greedy token of
-every tierkv run equals the cold run's. vLLM's own ``OffloadingConnector`` is started too and its
-refusal of the CPU platform is the table's last row.
+every tierkv run equals the cold run's. vLLM's OpenMP threads are bound to every core but the last
+(``--omp-bind``; ``default_omp_bind`` says why), the same for every engine. vLLM's own
+``OffloadingConnector`` is started too and its refusal of the CPU platform is the table's last row.
 
     .venv-vllm/bin/python bench/vllm_e2e.py --quick --json bench/results/vllm_e2e.json --check
 """
@@ -111,7 +112,8 @@ class Engine:
         self.proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **ENV}, start_new_session=True)
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -146,10 +148,23 @@ class Engine:
             except Exception:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        self._reader.join(30)  # the child's last lines reach the log before it closes
         self.log.close()
 
 
 # -- parent ---------------------------------------------------------------------------------------
+
+def default_omp_bind() -> str:
+    """Every core but the last for vLLM's OpenMP threads, as vLLM's CPU guide reserves cores for the rest.
+
+    With OpenMP on every core, any other runnable thread (vLLM's own frontend and 1 s poll loop, the
+    connector's save and IO threads) stalls a parallel region's barrier until the OS runs it again:
+    on 2 cores, nobind timed a 17-token hit at 352-2,511 ms (L2 hit 1,550-2,373 ms) against
+    123-149 ms bound to core 0, in the same hour.
+    """
+    n = os.cpu_count() or 1
+    return "nobind" if n < 2 else "0" if n == 2 else f"0-{n - 2}"
+
 
 def prompts(model_dir: Path, n_miss: int) -> tuple[list[int], list[list[int]]]:
     """The shared prompt (2,048-token document + question) and ``n_miss`` never-seen ones like it."""
@@ -197,7 +212,11 @@ def main() -> None:
     p.add_argument("--child", help=argparse_hidden())
     p.add_argument("--reps", type=int, default=0, help="rounds (default 5 with --quick, else 9)")
     p.add_argument("--model", help="model directory (default: tierkv model pull smollm2-135m-instruct)")
+    p.add_argument("--omp-bind", default=default_omp_bind(),
+                   help="VLLM_CPU_OMP_THREADS_BIND of every engine (default: all cores but the last, which is "
+                        "left to vLLM's frontend and poll loop and the connector's IO threads; 'nobind' for all)")
     args = p.parse_args()
+    ENV["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
     if args.child:
         child(json.loads(args.child))
         return
@@ -279,7 +298,7 @@ def main() -> None:
     figures.update(identical=identical, cached_tokens_ok=cached_ok, restart_l3_hit_blocks=restart_l3_hits,
                    l3_blocks_stored=stored, reps=reps, prefix_tokens=PREFIX, prompt_tokens=len(shared),
                    offloading_connector=refusal[:300], wall_s=round(time.monotonic() - t_start, 1),
-                   model="smollm2-135m-instruct fp32")
+                   model="smollm2-135m-instruct fp32", omp_bind=args.omp_bind)
     rows = [
         ("cold_ms", f"{ms['cold']:.1f}", "no connector, after reset_prefix_cache(): the whole prompt computed"),
         ("vllm_hit_ms", f"{ms['vllm_hit']:.1f}", "vLLM's own prefix-cache hit (the floor)"),
@@ -294,7 +313,8 @@ def main() -> None:
          f"vLLM's own CPU offloading, on this platform: {refusal[:100]!r}"),
     ]
     print_table(f"vLLM-cpu 0.32.0 end to end, SmolLM2-135M fp32, {len(shared)}-token prompt "
-                f"({PREFIX} shared), max_tokens=1, median of {reps}", rows)
+                f"({PREFIX} shared), max_tokens=1, median of {reps}, "
+                f"VLLM_CPU_OMP_THREADS_BIND={args.omp_bind}", rows)
     targets = [
         target("tierkv_l2_ms", ms["tierkv_l2"] / ms["vllm_hit"], "<=", 1.3, "x vllm_hit_ms"),
         target("tierkv_l3_ms", ms["tierkv_l3"] / ms["vllm_hit"], "<=", 1.6, "x vllm_hit_ms"),
