@@ -32,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
-from _common import parser, print_table, write_json  # noqa: E402
+from _common import finish, parser, print_table, target  # noqa: E402
 
 from tierkv.config import L2Config, L3Config, PolicyConfig, StoreConfig  # noqa: E402
 from tierkv.engine import LLM, EngineConfig, SamplingParams  # noqa: E402
@@ -229,15 +229,11 @@ def main() -> None:
         ("l2_put_busy_gbps", f"{put['l2_put_busy_gbps']:.2f}",
          f"same, with a concurrent L3 persist stream: {put_ratio:.3f}x idle (target >= {PUT_TARGET})"),
     ])
-    figures = {**ttft, **put, "busy_over_idle_ttft": ttft_ratio, "busy_over_idle_put": put_ratio,
-               "targets": {"busy_over_idle_ttft_max": TTFT_TARGET, "busy_over_idle_put_min": PUT_TARGET}}
-    write_json(args.json, figures)
-    missed = [name for name, bad in (("ttft", ttft_ratio > TTFT_TARGET), ("l2_put", put_ratio < PUT_TARGET)) if bad]
-    if missed:
-        print(f"missed targets: {', '.join(missed)}")
-    if args.check and missed:
-        sys.exit(1)
-
+    figures = {**ttft, **put, "busy_over_idle_ttft": ttft_ratio, "busy_over_idle_put": put_ratio}
+    finish(args, "contention", figures, [
+        target("busy_over_idle_ttft", ttft_ratio, "<=", TTFT_TARGET, "L1-hit TTFT, disk busy / idle"),
+        target("busy_over_idle_put", put_ratio, ">=", PUT_TARGET, "L2 put GB/s, L3 persist stream / none"),
+    ])
 
 if __name__ == "__main__":
     main()
