@@ -10,6 +10,7 @@ import torch
 
 from tierkv.config import L1Config, L2Config, L4Config, StoreConfig
 from tierkv.engine.config import EngineConfig
+from tierkv.engine.cpu_linear import pack_linears
 from tierkv.engine.kv_cache import KVCacheManager
 from tierkv.engine.loader import load_model, model_fingerprint
 from tierkv.engine.model_runner import ModelRunner
@@ -47,6 +48,7 @@ class LLM:
             raise ValueError(f"engine.device: {ec.device!r} asked for but CUDA is not available; use 'auto' or 'cpu'")
         device = resolve_device(ec.device)
         self.model = load_model(model_dir, getattr(torch, ec.dtype), device)
+        pack_linears(self.model)  # CPU fp32/bf16 only: oneDNN-prepacked projections and lm_head
         mc = self.model.config
         self.model_config = mc
         self.max_model_len = min(ec.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)

@@ -76,6 +76,8 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
         tensors.update(load_file(str(f)))
     state = _to_engine_names(tensors, cfg)
     model.to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty gave lm_head a storage of its own: share embed_tokens' again
+        model.lm_head.weight = model.embed_tokens.weight
     missing = [n for n, _ in model.named_parameters() if n not in state]
     if missing:
         raise ValueError(f"model_dir: checkpoint lacks {missing[:4]}{'...' if len(missing) > 4 else ''}")
