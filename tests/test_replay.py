@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _env import SHARED
+from _env import SYNTHETIC_TRACE as SYNTHETIC  # ../shared beside the checkout
+from _env import ROOT, load_tool
 
-ROOT = Path(__file__).resolve().parents[1]
-SYNTHETIC = SHARED / "data" / "traces" / "mooncake_synthetic_trace.jsonl"  # ../shared beside the checkout
-
-
-def _load_replay():
-    spec = importlib.util.spec_from_file_location("tierkv_replay_tool", ROOT / "tools" / "replay.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-replay_tool = _load_replay()
+replay_tool = load_tool("replay")
 
 
 def write_trace(path: Path, requests: list[list[int]]) -> Path:

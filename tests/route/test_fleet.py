@@ -2,28 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from _env import SHARED
+from _env import SYNTHETIC_TRACE as SYNTHETIC  # ../shared beside the checkout
+from _env import ROOT, load_tool
 
-ROOT = Path(__file__).resolve().parents[2]
-SYNTHETIC = SHARED / "data" / "traces" / "mooncake_synthetic_trace.jsonl"  # ../shared beside the checkout
-
-
-def _load_fleet():
-    spec = importlib.util.spec_from_file_location("tierkv_fleet_tool", ROOT / "tools" / "fleet.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fleet = _load_fleet()
+fleet = load_tool("fleet")
 COST = fleet.reference_cost("llama-3.1-8b", 400.0, fleet.DEFAULT_GBPS)
 
 
