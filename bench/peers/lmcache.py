@@ -51,6 +51,19 @@ from tierkv.tiers.host import HostTier  # noqa: E402
 OPS = ("l2_put", "l2_get", "l3_put", "l3_get")
 
 
+def _copy_out(objs, dsts) -> list[bool]:
+    """Copy each MemoryObj LMCache returned into its destination and release it; None is a miss."""
+    out = []
+    for obj, dst in zip(objs, dsts):
+        if obj is None:
+            out.append(False)
+            continue
+        dst.view(-1).copy_(obj.tensor.view(-1))
+        obj.ref_count_down()
+        out.append(True)
+    return out
+
+
 class LMCache:
     """LMCache's local CPU and disk backends for one layout, built as its storage manager builds them."""
 
@@ -91,16 +104,7 @@ class LMCache:
             obj.ref_count_down()
 
     def l2_get(self, keys, dsts) -> list[bool]:
-        out = []
-        for key, dst in zip(keys, dsts):
-            obj = self.cpu.get_blocking(key)
-            if obj is None:
-                out.append(False)
-                continue
-            dst.view(-1).copy_(obj.tensor.view(-1))
-            obj.ref_count_down()
-            out.append(True)
-        return out
+        return _copy_out((self.cpu.get_blocking(key) for key in keys), dsts)
 
     def l2_clear(self) -> None:
         for key in self.keys:
@@ -132,15 +136,7 @@ class LMCache:
             raise SystemExit(f"LMCache disk put: {left[0]} of {len(keys)} writes never completed")
 
     def l3_get(self, keys, dsts) -> list[bool]:
-        out = []
-        for obj, dst in zip(self.disk.batched_get_blocking(keys), dsts):
-            if obj is None:
-                out.append(False)
-                continue
-            dst.view(-1).copy_(obj.tensor.view(-1))
-            obj.ref_count_down()
-            out.append(True)
-        return out
+        return _copy_out(self.disk.batched_get_blocking(keys), dsts)
 
     def l3_clear(self) -> None:
         for key in self.keys:
