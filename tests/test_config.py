@@ -127,6 +127,7 @@ def test_out_of_range_numbers_and_bools_name_the_field(data):
 @pytest.mark.parametrize("section,name,value", [
     ("l1", "num_blocks", -1), ("l1", "device", "tpu"), ("l1", "device", "cpu:x"), ("l1", "device", "cuda:-1"),
     ("l2", "shared_name", "a/b"), ("l2", "shared_name", "x" * 65), ("l3", "path", ""),
+    ("l3", "read_depth", 0), ("l3", "read_depth", 65), ("l3", "read_depth", 2.0),
     ("l4", "url", "http://x"), ("l4", "url", "redis"), ("l4", "timeout_ms", 0), ("l4", "timeout_ms", 60_001),
     ("l4", "breaker_reset_s", 0), ("l4", "breaker_failures", 0),
     ("policy", "name", "mru"), ("policy", "write", "write_around"), ("policy", "half_life", 0),

@@ -301,3 +301,28 @@ def test_file_size_limit_opens_and_fails_puts_past_it(tmp_path):
     assert 0 < int(stored) <= 16
     assert int(full) == 32 - int(stored)
     assert consistent == "True" and same == "True"
+
+
+@pytest.mark.parametrize("read_depth", [1, 4])
+def test_reads_in_flight_verify_each_block_of_every_piece(tmp_path, read_depth):
+    """A get of more blocks than one ~4 MiB piece reads several pieces at once (read_depth); a
+    flipped byte still costs exactly its own block, wherever its piece sits."""
+    hook = Hook()
+    tier = DiskTier(tmp_path / "l3", LAYOUT, 200, on_failure=hook, read_depth=read_depth)
+    keys = put_keys(tier, range(200))  # one run of 200 slots: pieces of 64 blocks (a preadv's most)
+    slot = {r.key: r.slot for r in tier.records()}
+    assert sorted(slot.values()) == list(range(200))
+    damaged = {3, 63, 64, 199}  # either side of the first cut between pieces, and the ends
+    for i in damaged:
+        flip_byte(tier.path / "slots.bin", slot[keys[i]] * tier.stride + 17)
+    expected = [i not in damaged for i in range(len(keys))]
+    assert read_ok(tier, keys) == expected
+    assert hook.count("corrupt") == len(damaged)
+    assert tier.contains(keys) == expected
+    assert read_ok(tier, keys[::-1]) == expected[::-1]  # asked for out of slot order: same blocks
+    tier.close()
+
+
+def test_read_depth_outside_its_range_is_refused_naming_the_field(tmp_path):
+    with pytest.raises(ValueError, match=r"l3.read_depth: expected an integer in 1..64, got 0"):
+        DiskTier(tmp_path / "l3", LAYOUT, 8, read_depth=0)

@@ -115,17 +115,22 @@ class L2Config:
 
 @dataclass(frozen=True)
 class L3Config:
-    """L3: local disk, one preallocated slot file plus an LMDB index under ``path``."""
+    """L3: local disk, one preallocated slot file plus an LMDB index under ``path``.
+
+    ``read_depth``: reads in flight per load (about 4 MiB each, on the process's reader threads).
+    """
 
     path: str = "~/.cache/tierkv/l3"
     capacity: int | str = "8GiB"
     direct_io: bool = True
+    read_depth: int = 4
 
     def __post_init__(self) -> None:
         if not _check_str(self.path, "l3.path"):
             raise ValueError("l3.path: expected a directory path, got ''")
         object.__setattr__(self, "capacity", parse_size(self.capacity, "l3.capacity"))
         _check_bool(self.direct_io, "l3.direct_io")
+        _check_int(self.read_depth, "l3.read_depth", 1, 64)
 
 
 @dataclass(frozen=True)

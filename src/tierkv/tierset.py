@@ -32,7 +32,7 @@ def open_tiers(cfg: StoreConfig, layout: KVLayout, l1_blocks: int | None,
     if cfg.l3_enabled and cfg.l3.capacity // layout.block_bytes > 0:
         meta = {"model_id": cfg.model_id, "model_revision": cfg.model_revision}
         tiers[Tier.L3] = DiskTier(cfg.l3.path, layout, cfg.l3.capacity // layout.block_bytes, meta,
-                                  cfg.l3.direct_io, on_failure)
+                                  cfg.l3.direct_io, on_failure, read_depth=cfg.l3.read_depth)
     # Demoted blocks wait in the outbox for the IO thread: registered with the pool's client.
     outbox = Outbox(layout, room) if cfg.l4.url or Tier.L3 in tiers else None
     if cfg.l4.url:
