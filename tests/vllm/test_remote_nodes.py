@@ -40,6 +40,7 @@ def test_node_b_loads_from_l4_what_node_a_computed(engine, pool):
     assert a.store.l4.contains(keys) == [True] * 3  # written through as the blocks filled
     assert b.store.lookup_keys(keys, pin=False).tiers == [Tier.L4] * 3  # B holds none of them locally
 
+    b.add("o", prompt(12, 20), max_tokens=60)
     req = b.add("b1", p)
     step = b.step()
     assert b.calls[-1] == ("matched", "b1", 0, (96, True))  # an L4 hit loads while others run
@@ -48,7 +49,7 @@ def test_node_b_loads_from_l4_what_node_a_computed(engine, pool):
     b.step_until(lambda: any("b1" in (s.connector_output.finished_recving or ()) for s in b.steps))
     assert not b.steps[-1].connector_output.invalid_block_ids
     step = b.step()
-    assert step.output.num_scheduled_tokens == {"b1": 4}  # only the tail is prefilled on B
+    assert step.output.num_scheduled_tokens["b1"] == 4  # only the tail is prefilled on B
     assert blocks_hold(b, "b1", p, 3) == [True, True, True]
     b.run()
     assert req.is_finished() and len(req.output_token_ids) == 3 and no_pins(b)

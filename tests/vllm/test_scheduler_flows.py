@@ -61,17 +61,37 @@ def test_async_hit_from_l3_waits_then_schedules_only_the_tail(engine):
     e = engine(l2="0", save_async=False)
     p = prompt(3, 100)
     populate(e, p)
+    other = e.add("o", prompt(30, 20), max_tokens=60)  # another request live: the load overlaps it
     req = e.add("c", p)
     step = e.step()
     assert e.calls[-1] == ("matched", "c", 0, (96, True))
     assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS and "c" not in step.output.num_scheduled_tokens
+    assert "o" in step.output.num_scheduled_tokens
     assert e.connector.get_external_cache_hit_sources(req, 96) == {CacheHitSource.DISK: 96}
     e.step_until(lambda: any("c" in (s.connector_output.finished_recving or ()) for s in e.steps))
     assert not e.steps[-1].connector_output.invalid_block_ids
     step = e.step()
-    assert step.output.num_scheduled_tokens == {"c": 4}
+    assert step.output.num_scheduled_tokens["c"] == 4
     assert blocks_hold(e, "c", p, 3) == [True, True, True]
     assert sum(1 for c in e.calls if c[1] == "c") == 1  # not asked again after the load
+    e.run()
+    assert req.is_finished() and len(req.output_token_ids) == 3 and no_pins(e)
+    assert other.is_finished()
+
+
+def test_l3_hit_of_a_request_alone_loads_inside_the_step(engine):
+    """``auto`` with nothing else live: no step to overlap, so the L3 load runs in the step (an
+    async hand-back would cost one more)."""
+    e = engine(l2="0", save_async=False)
+    p = prompt(3, 100)
+    populate(e, p)
+    req = e.add("c", p)
+    step = e.step()
+    assert e.calls[-1] == ("matched", "c", 0, (96, False))
+    assert step.output.num_scheduled_tokens == {"c": 4}
+    assert not step.connector_output.invalid_block_ids
+    assert e.connector.get_external_cache_hit_sources(req, 96) == {CacheHitSource.DISK: 96}
+    assert blocks_hold(e, "c", p, 3) == [True, True, True]
     e.run()
     assert req.is_finished() and len(req.output_token_ids) == 3 and no_pins(e)
 
@@ -143,6 +163,8 @@ def test_corrupt_l3_block_is_reported_and_recomputed(engine, load_async):
         fh.write(b"\xa5" * 512)
         fh.flush()
         os.fsync(fh.fileno())
+    if load_async == "auto":
+        e.add("o", prompt(31, 20), max_tokens=60)  # another request live: the load goes async
     req = e.add("k", p)
     e.step()
     assert e.calls[-1] == ("matched", "k", 0, (96, load_async == "auto"))
@@ -154,7 +176,7 @@ def test_corrupt_l3_block_is_reported_and_recomputed(engine, load_async):
         assert "k" in e.steps[-1].connector_output.finished_recving
     step = e.step() if load_async == "auto" else e.steps[-1]
     recompute = e.step() if load_async == "never" else step
-    assert recompute.output.num_scheduled_tokens == {"k": 100 - BLOCK}
+    assert recompute.output.num_scheduled_tokens["k"] == 100 - BLOCK
     assert blocks_hold(e, "k", p, 3) == [True] * 3
     e.run()
     assert req.is_finished() and len(req.output_token_ids) == 3
