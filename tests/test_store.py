@@ -371,6 +371,28 @@ def test_store_without_l1_keeps_put_blocks_and_loads_into_tensors(make_store, la
     store.release(m)
 
 
+def test_lend_gives_a_private_l2_match_in_place_and_nothing_when_a_block_is_on_disk(make_store, layout):
+    store = make_store(l1=0, l2=3, l3=8)
+    tokens = prompt(31, 3, layout)
+    keys = store.hash(tokens)
+    assert store.put_blocks(keys, [block_for(k, layout) for k in keys]) == [True] * 3
+    m = store.lookup(tokens)
+    assert m.tiers == [Tier.L2] * 3
+    views = store.lend(m)
+    assert views is not None and len(views) == 3
+    assert all(same_bytes(v, block_for(k, layout)) for v, k in zip(views, keys))
+    assert all(v.data_ptr() == store.l2.view(k).data_ptr() for v, k in zip(views, keys))  # no copy
+    store.release(m)
+    assert store.stats()["bytes"].get("l2_read", 0) == 3 * layout.block_bytes
+    longer = prompt(32, 5, layout)  # 5 blocks into an L2 of 3: some go down to L3
+    lkeys = store.hash(longer)
+    assert store.put_blocks(lkeys, [block_for(k, layout) for k in lkeys]) == [True] * 5
+    m = store.lookup(longer)
+    assert m.num_blocks == 5 and Tier.L3 in m.tiers
+    assert store.lend(m) is None  # an L3 block cannot be lent: load copies the match
+    store.release(m)
+
+
 def test_threads_share_one_store(make_store, layout):
     """Lookups, loads, saves and releases from three threads: no error, no wrong byte, no lost slot."""
     import random
@@ -443,6 +465,7 @@ def test_a_shared_l2_slot_reused_by_another_process_during_a_load_is_a_miss(layo
         save_prompt(store, prompt(41, 4, layout))       # the first prompt moves to the shared L2
         m = store.lookup(tokens)
         assert m.tiers == [L2] * 4
+        assert store.lend(m) is None  # a shared slot may be reused by another process: copied and checked
         gate = threading.Event()
         store.transfer.copy(gate.wait)                    # hold the copy thread
         dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in range(4)]

@@ -1,6 +1,8 @@
 """Worker side of the vLLM connector: moves blocks between the store and vLLM's KV cache.
 
-Loads: ``store.load`` reads the blocks into landing blocks (``landing.py``:
+Loads: when every block of a load sits in the worker's private L2,
+``scatter_blocks`` reads them in place (``store.lend``, valid while pinned);
+otherwise ``store.load`` reads the blocks into landing blocks (``landing.py``:
 page-aligned, registered with L4; on the store's transfer threads), then
 ``scatter_blocks`` writes them into vLLM's
 per-layer caches — inside ``start_load_kv`` for a synchronous load, from
@@ -69,6 +71,7 @@ class _Load:
     handle: LoadHandle
     staging: torch.Tensor
     num_found: int
+    lent: list[torch.Tensor] | None = None  # the blocks in place (a private L2), read while pinned
 
 
 @dataclass
@@ -145,6 +148,9 @@ class ConnectorWorker:
         found = max(0, end - spec.start)
         sub = Match(m.keys[spec.start : spec.start + found], m.tiers[spec.start : spec.start + found],
                     m.entries[spec.start : spec.start + found], m.block_size)
+        lent = self.store.lend(sub) if found else None
+        if lent is not None:  # scattered straight from where they sit: no copy into landing slots
+            return _Load(spec, m, LoadHandle.completed(LoadResult([True] * found)), None, found, lent)
         staging = self.landing.take(found)
         if found:
             handle = self.store.load(sub, list(staging.unbind(0)))
@@ -165,10 +171,16 @@ class ConnectorWorker:
         if good:
             self._wait_for_readers(spec.block_ids[:good])
             ids = torch.tensor(spec.block_ids[:good], dtype=torch.int64, device=self.kv.device)
-            # On CUDA, .to() returns once the host blocks are read (they are not pinned), so
-            # the landing slots can go back right after.
-            scatter_blocks(self.kv, ids, load.staging[:good].to(self.kv.device, non_blocking=True))
-        self.landing.give_back(load.staging)
+            if load.lent is not None:
+                for i, block in enumerate(load.lent[:good]):
+                    # Synchronous on CUDA (the pin ends with release below, right after).
+                    scatter_blocks(self.kv, ids[i:i + 1], block.unsqueeze(0).to(self.kv.device))
+            else:
+                # On CUDA, .to() returns once the host blocks are read (they are not pinned), so
+                # the landing slots can go back right after.
+                scatter_blocks(self.kv, ids, load.staging[:good].to(self.kv.device, non_blocking=True))
+        if load.staging is not None:
+            self.landing.give_back(load.staging)
         self._errors.update(spec.block_ids[good:])
         self.store.release(load.match)
         with self._lock:

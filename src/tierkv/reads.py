@@ -127,6 +127,19 @@ class Loader:
         gather_futures(futures, finish)
         return handle
 
+    def lend(self, m: Match) -> list[torch.Tensor] | None:
+        """Every matched block's bytes in place (L1, a private L2), counted as read; None unless
+        all of them can be lent. Valid while ``m`` stays pinned; the caller only reads them."""
+        views = []
+        for key, tier in zip(m.keys, m.tiers):
+            view = self.tiers[tier].view(key) if tier in (Tier.L1, Tier.L2) else None
+            if view is None:
+                return None
+            views.append(view)
+        for tier in {t for t in m.tiers}:
+            self.metrics.add("bytes", (TIER_NAMES[tier], "read"), m.tiers.count(tier) * self.block_bytes)
+        return views
+
     def _start(self, m: Match, tier: int, pos: list[int], views: list[torch.Tensor], ok: list[bool]):
         keys = [m.keys[i] for i in pos]
         # On a shared slab another process may free and reuse a slot while this copy waits (pins

@@ -220,6 +220,12 @@ class TierKVStore:
         """
         return self.loader.load(m, dst)
 
+    def lend(self, m: Match) -> list[torch.Tensor] | None:
+        """The matched blocks' bytes in place, when every one sits where it can be read without a
+        copy (L1, a private L2), else None (``load`` copies). Valid while ``m`` stays pinned (until
+        ``release``); read-only. Thread-safe."""
+        return self.loader.lend(m)
+
     def save(self, keys: Sequence[BlockHash], slots: Sequence[int], start: int = 0,
              match: Match | None = None) -> list[bool]:
         """Adopt the filled L1 slots of blocks ``start .. start+len(slots)`` of the chain ``keys``.
