@@ -188,47 +188,43 @@ class Replayer:
         if self.future is not None:
             return self._run_oracle(requests, multi)
         index, cost = self.index, self.cost
-        match, get, save_chain = index.match, index._entries.get, index.save_chain
-        pin, unpin, touch = index.pin, index.unpin, index.touch
+        match, use, save_chain, unpin = index.match_entries, index.use, index.save_chain, index.unpin
         top = LOCAL_TIERS[0]
         cap_top = self.capacities[top]
         counts = index.counts
-        pop, drop = index.policies[top].pop, index.drop
+        evict = index.evict
         hits = [0, 0, 0]
         hit_lengths: list[int] = []
         record = hit_lengths.append
         saved_us = 0.0
+        evicted = 0
         for keys in requests:
-            tiers = match(keys)
+            # As the store does: the lookup pins and touches the blocks it found,
+            # then the request's blocks are saved into (or promoted to) the top tier, pinned.
+            entries = match(keys)
             if multi:
-                tiers = tiers[: cost.cut(tiers)]
+                tiers = [e.best for e in entries]
+                del entries[cost.cut(tiers):]
+                tiers = tiers[: len(entries)]
                 saved_us += cost.saved_us(tiers)
                 for t in tiers:
                     hits[t] += 1
             else:
-                hits[top] += len(tiers)
-            record(len(tiers))
-            # As the store does: the lookup pins and touches the blocks it found,
-            # then the request's blocks are saved into (or promoted to) the top tier, pinned.
-            entries = [get(key) for key in keys[: len(tiers)]]
-            pin(entries)
-            touch(entries)
+                hits[top] += len(entries)
+            record(len(entries))
+            use(entries, True)
             # One tier evicts leaves only, so nothing past the first miss is cached there:
             # start at the miss. Across tiers a matched block may still need promoting.
-            entries += save_chain(keys, 0 if multi else len(tiers), top)
+            entries += save_chain(keys, 0 if multi else len(entries), top)
             if multi:
                 while counts[top] > cap_top and self._evict(top):
                     pass
-            else:  # the same, inlined: nothing to demote to
-                while counts[top] > cap_top:
-                    victim = pop()
-                    if victim is None:
-                        break
-                    drop(victim.key, top)
-                    self.evictions[top] += 1
+            elif counts[top] > cap_top:  # nothing to demote to
+                evicted += len(evict(top, counts[top] - cap_top))
             unpin(entries)
             while counts[top] > cap_top and self._evict(top):  # a request larger than the tier
                 pass
+        self.evictions[top] += evicted
         return hits, hit_lengths, saved_us
 
     def _run_oracle(self, requests: list[list[bytes]], multi: bool) -> tuple[list[int], list[int], float]:
@@ -238,31 +234,38 @@ class Replayer:
         hits = [0, 0, 0]
         hit_lengths: list[int] = []
         saved_us = 0.0
+        evicted = 0
         for keys, later in zip(requests, next_uses(requests)):
             future.update(zip(keys, later))
-            tiers = index.match(keys)
+            entries = index.match_entries(keys)
             if multi:
-                tiers = tiers[: cost.cut(tiers)]
+                tiers = [e.best for e in entries]
+                del entries[cost.cut(tiers):]
+                tiers = tiers[: len(entries)]
                 saved_us += cost.saved_us(tiers)
-            for t in tiers:
-                hits[t] += 1
-            hit_lengths.append(len(tiers))
-            entries = [get(key) for key in keys[: len(tiers)]]
-            index.pin(entries)
-            index.touch(entries)
+                for t in tiers:
+                    hits[t] += 1
+            else:
+                hits[top] += len(entries)
+            hit_lengths.append(len(entries))
+            index.use(entries, True)
             if multi:  # blocks cached past the cut stay listed: re-rank them by their new next use
-                for key in keys[len(tiers):]:
+                for key in keys[len(entries):]:
                     entry = get(key)
                     if entry is not None and entry.ref_count == 0:
                         for t, policy in enumerate(index.policies):
                             if entry.handles[t] is not None:
                                 policy.touch(entry)
-            entries += index.save_chain(keys, 0 if multi else len(tiers), top)
-            while index.counts[top] > cap and self._evict(top):
-                pass
+            entries += index.save_chain(keys, 0 if multi else len(entries), top)
+            if multi:
+                while index.counts[top] > cap and self._evict(top):
+                    pass
+            elif index.counts[top] > cap:
+                evicted += len(index.evict(top, index.counts[top] - cap))
             index.unpin(entries)
             while index.counts[top] > cap and self._evict(top):
                 pass
+        self.evictions[top] += evicted
         return hits, hit_lengths, saved_us
 
 

@@ -36,13 +36,13 @@ model. Not thread-safe (the store holds its lock).
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from itertools import islice
+from operator import attrgetter
 
 from tierkv.cost import CostModel
 from tierkv.index import Entry
+from tierkv.policy.age_queue import TAG_BITS, AgeQueue
 from tierkv.policy.base import EvictionPolicy
 
 BINS = 64                 # half-octave age bins: ages up to 2**32 lookups
@@ -51,6 +51,7 @@ CLASSES = 2 + _LEVELS     # never hit (0: not a tip, 1: a tip), then hit 1, 2+ t
 # Entry.tag bits this policy owns: tip, seen (classified), and for a block back
 # from a ghost the hits the index forgot (bits 2-3).
 _TIP, _SEEN = 1, 2
+_CLASS_MASK = (1 << TAG_BITS) - 1  # a listed block's handle carries its class (its queue's tag)
 _EXTRA_SHIFT, _EXTRA_MASK = 2, 3
 # Recompute the densities after as many observed events (hits, ghost returns
 # and ends, evictions) as there are live blocks and ghosts, at least this many;
@@ -68,6 +69,8 @@ _ALIVE_SAMPLE = 1 << 17
 _FLOOR = 1e-6
 # Pseudo-events of the pooled (all-class) histograms added to each class's.
 _PRIOR_EVENTS = 16.0
+# What _alive reads of each entry, in one C-level call.
+_LIFE = attrgetter("mask", "hits", "tag", "last_access")
 
 
 def age_bin(age: int) -> int:
@@ -105,9 +108,10 @@ class HitDensityPolicy(EvictionPolicy):
         super().__init__(tier)
         self.cost = cost if cost is not None else CostModel.units(0.0)
         self.lower = lower
-        self._heaps: list[list[list]] = [[] for _ in range(CLASSES)]
-        self._seq = itertools.count()
-        self._size = 0
+        self._queues = [AgeQueue(tier, c) for c in range(CLASSES)]
+        # Per class: (head entry, its last use, clock, densities' version, score), so a
+        # trim of many blocks at one clock scores each class's head once, not per victim.
+        self._scored: list[tuple | None] = [None] * CLASSES
         self._benefit: list[float] = []
         self.hit_hist = [[0.0] * BINS for _ in range(CLASSES)]
         self.end_hist = [[0.0] * BINS for _ in range(CLASSES)]
@@ -121,7 +125,7 @@ class HitDensityPolicy(EvictionPolicy):
         self.ghost_hits = 0
 
     def __len__(self) -> int:
-        return self._size
+        return sum(map(len, self._queues))
 
     def bind(self, index) -> None:
         """Called once by the index that lists into this policy (its clock and block counts)."""
@@ -182,14 +186,18 @@ class HitDensityPolicy(EvictionPolicy):
         if self.index is None:
             return alive
         now = self.index.clock
+        # Counted per distinct (class, last use) first: a chain evicted or saved at once shares
+        # both, so the Python loop runs over far fewer keys than there are lives.
         stride = max(1, len(self.ghosts) // _ALIVE_SAMPLE)
-        for c, last in islice(self.ghosts.values(), 0, None, stride):
-            alive[c][age_bin(now - last)] += stride
+        for (c, last), n in Counter(islice(self.ghosts.values(), 0, None, stride)).items():
+            alive[c][age_bin(now - last)] += n * stride
         bit = 1 << self.tier
         stride = max(1, len(self.index) // _ALIVE_SAMPLE)
-        for e in islice(self.index.entries(), 0, None, stride):
-            if e.mask & bit:
-                alive[block_class(e)][age_bin(now - e.last_access)] += stride
+        for (mask, hits, tag, last), n in Counter(map(_LIFE, islice(self.index.entries(), 0, None, stride))).items():
+            if mask & bit:
+                hits += (tag >> _EXTRA_SHIFT) & _EXTRA_MASK
+                c = 1 + (hits if hits < _LEVELS else _LEVELS) if hits else tag & _TIP  # block_class, inlined
+                alive[c][age_bin(now - last)] += n * stride
         return alive
 
     def _update(self) -> None:
@@ -250,22 +258,13 @@ class HitDensityPolicy(EvictionPolicy):
                                   and entry.last_access == self.index.clock else 0)
         hits = entry.hits + ((entry.tag >> _EXTRA_SHIFT) & _EXTRA_MASK)
         c = 1 + (hits if hits < _LEVELS else _LEVELS) if hits else entry.tag & _TIP  # block_class, inlined
-        item = [entry.last_access, next(self._seq), entry, c]
-        entry.handles[self.tier] = item
-        heapq.heappush(self._heaps[c], item)
-        self._size += 1
+        self._queues[c].add(entry)
 
     def discard(self, entry: Entry) -> None:
         """Unlist ``entry`` (pinned, or no longer a leaf)."""
-        item = entry.handles[self.tier]
-        if item is not None:
-            item[2] = None
-            entry.handles[self.tier] = None
-            self._size -= 1
-            heap = self._heaps[item[3]]
-            if len(heap) > 64 and len(heap) > 4 * self._size:
-                self._heaps[item[3]] = [i for i in heap if i[2] is not None]
-                heapq.heapify(self._heaps[item[3]])
+        handle = entry.handles[self.tier]
+        if handle is not None:
+            self._queues[handle & _CLASS_MASK].discard(entry)
 
     def touch(self, entry: Entry) -> None:
         """``entry`` was used while listed: re-list it under its new age and class."""
@@ -276,49 +275,58 @@ class HitDensityPolicy(EvictionPolicy):
         """Unlist and return the listed leaf of lowest density × benefit (None if none)."""
         now = self.index.clock if self.index is not None else 0
         best = None
-        best_score = 0.0
-        benefit = self._benefit
-        density = self.density
-        pop = heapq.heappop
-        for heap in self._heaps:
-            while heap and heap[0][2] is None:
-                pop(heap)
-            if not heap:
+        best_score = best_last = 0.0
+        scored, version = self._scored, self.updates
+        for c, queue in enumerate(self._queues):
+            entry = queue.head()
+            if entry is None:
                 continue
-            item = heap[0]
-            age = now - item[0]
-            # The density at this age, linear between the starts of its bin and the next
-            # (so age still orders blocks within a bin when classes look alike).
-            bl = age.bit_length()
-            if bl < 2:
-                b, frac = bl, 0.0
+            last = entry.last_access
+            memo = scored[c]
+            if memo is not None and memo[0] is entry and memo[1] == last and memo[2] == now and memo[3] == version:
+                score = memo[4]
             else:
-                shift = bl - 2
-                half = (age >> shift) & 1
-                b = 2 * bl - 2 + half
-                frac = (age - ((2 + half) << shift)) / (1 << shift)
-            if b >= BINS - 1:
-                b, frac = BINS - 2, 1.0
-            curve = density[item[3]]
-            at = curve[b]
-            depth = item[2].depth
-            score = (at + (curve[b + 1] - at) * frac) * (
-                benefit[depth] if depth < len(benefit) else self._benefit_at(depth))
-            if best is None or score < best_score or (score == best_score and item[0] < best[0]):
-                best, best_score = item, score
+                score = self._score(c, now - last, entry.depth)
+                scored[c] = (entry, last, now, version, score)
+            if best is None or score < best_score or (score == best_score and last < best_last):
+                best, best_score, best_last, best_c = entry, score, last, c
         if best is None:
             return None
-        c, last = best[3], best[0]
-        pop(self._heaps[c])
-        entry = best[2]
-        entry.handles[self.tier] = None
-        self._size -= 1
+        self._queues[best_c].pop()
         # Bury it: a ghost until it returns (admit) or the oldest ghosts pass the limit.
         ghosts = self.ghosts
-        ghosts[entry.key] = (c, last)
-        if len(ghosts) > GHOST_FACTOR * self._counts[self.tier] + 64 or len(ghosts) > MAX_GHOSTS:
-            self._trim_ghosts(now)
+        ghosts[best.key] = (best_c, best_last)
+        limit = GHOST_FACTOR * self._counts[self.tier] + 64
+        if limit > MAX_GHOSTS:
+            limit = MAX_GHOSTS
+        if len(ghosts) > limit:
+            if len(ghosts) == limit + 1:  # the usual case: one past the limit
+                _, (gc, glast) = ghosts.popitem(last=False)
+                age = now - glast
+                bl = age.bit_length()
+                b = bl if bl < 2 else 2 * bl - 2 + ((age >> (bl - 2)) & 1)  # age_bin, inlined
+                self.end_hist[gc][b if b < BINS else BINS - 1] += 1.0
+            else:
+                self._trim_ghosts(now)
         self._events += 1
         if self._events >= self._period:
             self._update()
-        return entry
+        return best
+
+    def _score(self, c: int, age: int, depth: int) -> float:
+        """Class ``c``'s density at ``age``, linear between the starts of its bin and the next
+        (so age still orders blocks within a bin when classes look alike), times the benefit at ``depth``."""
+        bl = age.bit_length()
+        if bl < 2:
+            b, frac = bl, 0.0
+        else:
+            shift = bl - 2
+            half = (age >> shift) & 1
+            b = 2 * bl - 2 + half
+            frac = (age - ((2 + half) << shift)) / (1 << shift)
+        if b >= BINS - 1:
+            b, frac = BINS - 2, 1.0
+        curve = self.density[c]
+        at = curve[b]
+        benefit = self._benefit
+        return (at + (curve[b + 1] - at) * frac) * (benefit[depth] if depth < len(benefit) else self._benefit_at(depth))
