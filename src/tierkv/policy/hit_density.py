@@ -169,9 +169,13 @@ class HitDensityPolicy(EvictionPolicy):
         """The oldest ghosts past the limit end their lives unreused; the limit follows the tier's size."""
         ghosts, ends = self.ghosts, self.end_hist
         limit = min(GHOST_FACTOR * self._counts[self.tier] + 64, MAX_GHOSTS)
+        popitem = ghosts.popitem
         while len(ghosts) > limit:
-            _, (gc, glast) = ghosts.popitem(last=False)
-            ends[gc][age_bin(now - glast)] += 1.0
+            _, (gc, glast) = popitem(last=False)
+            age = now - glast
+            bl = age.bit_length()
+            b = bl if bl < 2 else 2 * bl - 2 + ((age >> (bl - 2)) & 1)  # age_bin, inlined (once per eviction)
+            ends[gc][b if b < BINS else BINS - 1] += 1.0
 
     def _alive(self) -> list[list[float]]:
         """Per class and age bin: lives not ended yet (blocks cached in this tier, ghosts).
@@ -276,11 +280,18 @@ class HitDensityPolicy(EvictionPolicy):
         now = self.index.clock if self.index is not None else 0
         best = None
         best_score = best_last = 0.0
-        scored, version = self._scored, self.updates
+        scored, version, tier = self._scored, self.updates, self.tier
         for c, queue in enumerate(self._queues):
-            entry = queue.head()
-            if entry is None:
+            # queue.head(), with its common case inlined: the first block of the first bucket is live.
+            keys = queue.keys
+            if not keys:
                 continue
+            bucket = queue.buckets[keys[0]]
+            entry = bucket[0] if bucket else None
+            if entry is None or entry.handles[tier] != keys[0] << TAG_BITS | c:
+                entry = queue.head()
+                if entry is None:
+                    continue
             last = entry.last_access
             memo = scored[c]
             if memo is not None and memo[0] is entry and memo[1] == last and memo[2] == now and memo[3] == version:
@@ -296,18 +307,8 @@ class HitDensityPolicy(EvictionPolicy):
         # Bury it: a ghost until it returns (admit) or the oldest ghosts pass the limit.
         ghosts = self.ghosts
         ghosts[best.key] = (best_c, best_last)
-        limit = GHOST_FACTOR * self._counts[self.tier] + 64
-        if limit > MAX_GHOSTS:
-            limit = MAX_GHOSTS
-        if len(ghosts) > limit:
-            if len(ghosts) == limit + 1:  # the usual case: one past the limit
-                _, (gc, glast) = ghosts.popitem(last=False)
-                age = now - glast
-                bl = age.bit_length()
-                b = bl if bl < 2 else 2 * bl - 2 + ((age >> (bl - 2)) & 1)  # age_bin, inlined
-                self.end_hist[gc][b if b < BINS else BINS - 1] += 1.0
-            else:
-                self._trim_ghosts(now)
+        if len(ghosts) > GHOST_FACTOR * self._counts[self.tier] + 64 or len(ghosts) > MAX_GHOSTS:
+            self._trim_ghosts(now)
         self._events += 1
         if self._events >= self._period:
             self._update()
