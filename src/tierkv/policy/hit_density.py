@@ -120,7 +120,8 @@ class HitDensityPolicy(EvictionPolicy):
         self._events = 0
         self._period = _MIN_PERIOD
         self.updates = 0
-        self.ghosts: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        # key -> last use << TAG_BITS | class (an int, not a tuple: one object less per eviction).
+        self.ghosts: OrderedDict[bytes, int] = OrderedDict()
         self._counts = [0, 0, 0]  # the index's block counts per tier, once bound
         self.ghost_hits = 0
 
@@ -154,7 +155,7 @@ class HitDensityPolicy(EvictionPolicy):
         ghost = self.ghosts.pop(entry.key, None)
         if ghost is None:
             return
-        c, last = ghost
+        c, last = ghost & _CLASS_MASK, ghost >> TAG_BITS
         age = self.index.clock - last
         bl = age.bit_length()
         b = bl if bl < 2 else 2 * bl - 2 + ((age >> (bl - 2)) & 1)
@@ -171,11 +172,11 @@ class HitDensityPolicy(EvictionPolicy):
         limit = min(GHOST_FACTOR * self._counts[self.tier] + 64, MAX_GHOSTS)
         popitem = ghosts.popitem
         while len(ghosts) > limit:
-            _, (gc, glast) = popitem(last=False)
-            age = now - glast
+            _, ghost = popitem(last=False)
+            age = now - (ghost >> TAG_BITS)
             bl = age.bit_length()
             b = bl if bl < 2 else 2 * bl - 2 + ((age >> (bl - 2)) & 1)  # age_bin, inlined (once per eviction)
-            ends[gc][b if b < BINS else BINS - 1] += 1.0
+            ends[ghost & _CLASS_MASK][b if b < BINS else BINS - 1] += 1.0
 
     def _alive(self) -> list[list[float]]:
         """Per class and age bin: lives not ended yet (blocks cached in this tier, ghosts).
@@ -193,8 +194,8 @@ class HitDensityPolicy(EvictionPolicy):
         # Counted per distinct (class, last use) first: a chain evicted or saved at once shares
         # both, so the Python loop runs over far fewer keys than there are lives.
         stride = max(1, len(self.ghosts) // _ALIVE_SAMPLE)
-        for (c, last), n in Counter(islice(self.ghosts.values(), 0, None, stride)).items():
-            alive[c][age_bin(now - last)] += n * stride
+        for ghost, n in Counter(islice(self.ghosts.values(), 0, None, stride)).items():
+            alive[ghost & _CLASS_MASK][age_bin(now - (ghost >> TAG_BITS))] += n * stride
         bit = 1 << self.tier
         stride = max(1, len(self.index) // _ALIVE_SAMPLE)
         for (mask, hits, tag, last), n in Counter(map(_LIFE, islice(self.index.entries(), 0, None, stride))).items():
@@ -306,7 +307,7 @@ class HitDensityPolicy(EvictionPolicy):
         self._queues[best_c].pop()
         # Bury it: a ghost until it returns (admit) or the oldest ghosts pass the limit.
         ghosts = self.ghosts
-        ghosts[best.key] = (best_c, best_last)
+        ghosts[best.key] = best_last << TAG_BITS | best_c
         if len(ghosts) > GHOST_FACTOR * self._counts[self.tier] + 64 or len(ghosts) > MAX_GHOSTS:
             self._trim_ghosts(now)
         self._events += 1
