@@ -94,13 +94,21 @@ class AgeQueue:
 
     def pop(self) -> Entry | None:
         """Unlist and return the oldest listed block (None if none)."""
-        entry = self.head()
-        if entry is not None:
-            self.buckets[self.keys[0]].popleft()
-            entry.handles[self.tier] = None
-            self.live -= 1
-            self.stored -= 1
-        return entry
+        buckets, keys, tier, tag = self.buckets, self.keys, self.tier, self.tag
+        while keys:  # head(), taking as it goes
+            key = keys[0]
+            bucket = buckets[key]
+            handle = key << TAG_BITS | tag
+            while bucket:
+                entry = bucket.popleft()
+                self.stored -= 1
+                if entry.handles[tier] == handle:
+                    entry.handles[tier] = None
+                    self.live -= 1
+                    return entry
+            del buckets[key]
+            heapq.heappop(keys)
+        return None
 
     def _sweep(self) -> None:
         """Drop dead occurrences (and a live block's second one), keeping the order."""
