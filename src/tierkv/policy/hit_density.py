@@ -109,9 +109,12 @@ class HitDensityPolicy(EvictionPolicy):
         self.cost = cost if cost is not None else CostModel.units(0.0)
         self.lower = lower
         self._queues = [AgeQueue(tier, c) for c in range(CLASSES)]
-        # Per class: (head entry, its last use, clock, densities' version, score), so a
-        # trim of many blocks at one clock scores each class's head once, not per victim.
-        self._scored: list[tuple | None] = [None] * CLASSES
+        # Per class: the head last scored and its score, valid for one clock and one version
+        # of the densities: a trim of many blocks at one clock scores each class's head once,
+        # not per victim (within a clock a listed block's last use does not change).
+        self._scored: list[Entry | None] = [None] * CLASSES
+        self._scores = [0.0] * CLASSES
+        self._scored_clock = self._scored_version = -1
         self._benefit: list[float] = []
         self.hit_hist = [[0.0] * BINS for _ in range(CLASSES)]
         self.end_hist = [[0.0] * BINS for _ in range(CLASSES)]
@@ -281,7 +284,11 @@ class HitDensityPolicy(EvictionPolicy):
         now = self.index.clock if self.index is not None else 0
         best = None
         best_score = best_last = 0.0
-        scored, version, tier = self._scored, self.updates, self.tier
+        tier = self.tier
+        if self._scored_clock != now or self._scored_version != self.updates:  # every memo is stale
+            self._scored_clock, self._scored_version = now, self.updates
+            self._scored = [None] * CLASSES
+        scored, scores = self._scored, self._scores
         for c, queue in enumerate(self._queues):
             # queue.head(), with its common case inlined: the first block of the first bucket is live.
             keys = queue.keys
@@ -294,12 +301,11 @@ class HitDensityPolicy(EvictionPolicy):
                 if entry is None:
                     continue
             last = entry.last_access
-            memo = scored[c]
-            if memo is not None and memo[0] is entry and memo[1] == last and memo[2] == now and memo[3] == version:
-                score = memo[4]
+            if scored[c] is entry:
+                score = scores[c]
             else:
-                score = self._score(c, now - last, entry.depth)
-                scored[c] = (entry, last, now, version, score)
+                score = scores[c] = self._score(c, now - last, entry.depth)
+                scored[c] = entry
             if best is None or score < best_score or (score == best_score and last < best_last):
                 best, best_score, best_last, best_c = entry, score, last, c
         if best is None:
