@@ -69,6 +69,20 @@ def test_sweep_keeps_order_and_bounds_dead_occurrences():
     assert names(q) == [e.key.decode() for e in es]
 
 
+def test_pop_after_is_add_then_pop_and_lists_nothing_it_takes():
+    q = AgeQueue(L1)
+    old, same, new = entry("old", 1), entry("same", 5), entry("new", 9)
+    q.add(old)
+    assert q.pop_after(entry("x", 3)).key == b"old"  # an older block leads: listed, and old taken
+    q.add(same)
+    parent = entry("p", 5)
+    assert q.pop_after(parent).key == b"x"  # x (age 3) is still older
+    assert q.pop_after(new).key == b"same"  # equal ages leave in listing order: same, then p
+    lone = entry("lone", 2)
+    assert q.pop_after(lone) is lone and lone.handles[L1] is None  # the oldest: taken unlisted
+    assert names(q) == ["p", "new"]
+
+
 def test_bad_tag_fails_naming_the_field():
     with pytest.raises(ValueError, match="age_queue.tag"):
         AgeQueue(L1, tag=1 << TAG_BITS)

@@ -85,7 +85,9 @@ class Ranking(Protocol):
     def pop(self) -> Entry | None: ...
     # Optional: ``observe(entries, clock)``, called by ``PrefixIndex.touch`` with every
     # block a lookup hit (listed or not), before their use times are updated; and
-    # ``admit(entry)``, called by ``PrefixIndex.add`` each time the policy's tier gains a block.
+    # ``admit(entry)``, called by ``PrefixIndex.add`` each time the policy's tier gains a block;
+    # and ``pop_after(entry)``, ``add(entry)`` then ``pop()`` in one call (``evict`` hands it
+    # the parent each victim exposes, which is often the next victim itself).
     def __len__(self) -> int: ...
 
 
@@ -286,19 +288,30 @@ class PrefixIndex:
         """
         policy, drop_ = self.policies[tier], self._drop
         victims: list[Entry] = []
-        if policy is None:
+        if policy is None or n <= 0:
             return victims
         pop, append = policy.pop, victims.append
+        pop_after = getattr(policy, "pop_after", None)
+        exposed = None  # a parent the last victim made evictable, not listed yet
         for _ in range(n):
-            entry = pop()
-            if entry is None:
-                break
-            drop_(entry, tier)
+            if exposed is None:
+                entry = pop()
+                if entry is None:
+                    break
+            else:
+                entry = pop_after(exposed)
+            exposed = drop_(entry, tier, pop_after is not None)
             append(entry)
+        if exposed is not None:
+            policy.add(exposed)
         return victims
 
-    def _drop(self, entry: Entry, tier: int) -> None:
-        """``drop`` of an entry that ``tier`` holds (the one code path of every drop and eviction)."""
+    def _drop(self, entry: Entry, tier: int, defer: bool = False) -> Entry | None:
+        """``drop`` of an entry that ``tier`` holds (the one code path of every drop and eviction).
+
+        A parent this makes evictable in ``tier`` is listed, or with ``defer``
+        returned unlisted for the caller to list (``evict``); otherwise None.
+        """
         handles = entry.handles
         if handles[tier] is not None:
             self.policies[tier].discard(entry)
@@ -311,6 +324,7 @@ class PrefixIndex:
         key = entry.key
         if self.events is not None:
             self.events.removed(key, tier)
+        exposed = None
         parent = entry.parent
         if parent is not None:
             parent_entry = self._entries.get(parent) or self._uncached_parents.get(parent)
@@ -322,7 +336,9 @@ class PrefixIndex:
                     if (parent_entry.mask >> tier & 1 and parent_entry.ref_count == 0
                             and parent_entry.handles[tier] is None):
                         policy = self.policies[tier]
-                        if policy is not None:
+                        if defer:
+                            exposed = parent_entry
+                        elif policy is not None:
                             policy.add(parent_entry)
                     elif parent_entry.mask == 0 and not any(children):
                         del self._uncached_parents[parent]
@@ -332,6 +348,7 @@ class PrefixIndex:
                 self._uncached_parents[key] = entry
             if self._removal_listeners:
                 self._notify_removed(key)
+        return exposed
 
     # -- removal listeners ----------------------------------------------------
 

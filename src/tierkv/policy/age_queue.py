@@ -110,6 +110,13 @@ class AgeQueue:
             heapq.heappop(keys)
         return None
 
+    def pop_after(self, entry: Entry) -> Entry:
+        """``add(entry)`` then ``pop()``: ``entry`` itself, never listed, when it would be the oldest."""
+        if self.head() is None or self.keys[0] > entry.last_access:  # (head() drops dead occurrences)
+            return entry
+        self.add(entry)
+        return self.pop()
+
     def _sweep(self) -> None:
         """Drop dead occurrences (and a live block's second one), keeping the order."""
         tier, tag = self.tier, self.tag

@@ -261,12 +261,15 @@ class HitDensityPolicy(EvictionPolicy):
 
     def add(self, entry: Entry) -> None:
         """List ``entry`` (now evictable in this tier) under its class, oldest first."""
-        if not entry.tag & _SEEN:  # first listing: a tip if fresh from the save that created it
+        self._queues[self._listing_class(entry)].add(entry)
+
+    def _listing_class(self, entry: Entry) -> int:
+        """``block_class(entry)``, marking a block listed for the first time (a tip if fresh from its save)."""
+        if not entry.tag & _SEEN:
             entry.tag |= _SEEN | (_TIP if entry.hits == 0 and self.index is not None
                                   and entry.last_access == self.index.clock else 0)
         hits = entry.hits + ((entry.tag >> _EXTRA_SHIFT) & _EXTRA_MASK)
-        c = 1 + (hits if hits < _LEVELS else _LEVELS) if hits else entry.tag & _TIP  # block_class, inlined
-        self._queues[c].add(entry)
+        return 1 + (hits if hits < _LEVELS else _LEVELS) if hits else entry.tag & _TIP  # block_class, inlined
 
     def discard(self, entry: Entry) -> None:
         """Unlist ``entry`` (pinned, or no longer a leaf)."""
@@ -281,6 +284,24 @@ class HitDensityPolicy(EvictionPolicy):
 
     def pop(self) -> Entry | None:
         """Unlist and return the listed leaf of lowest density × benefit (None if none)."""
+        return self._take(None, -1)
+
+    def pop_after(self, entry: Entry) -> Entry:
+        """``add(entry)`` then ``pop()``; ``entry`` is never listed when it is the one taken.
+
+        ``PrefixIndex.evict`` passes the parent each victim exposes, which is
+        often the next victim: its class's oldest, and lowest of all heads.
+        """
+        c = self._listing_class(entry)
+        queue = self._queues[c]
+        if queue.head() is not None and queue.keys[0] <= entry.last_access:
+            queue.add(entry)  # an older block leads its class: the plain order
+            return self._take(None, -1)
+        return self._take(entry, c)
+
+    def _take(self, extra: Entry | None, extra_c: int) -> Entry | None:
+        """``pop``, with ``extra`` (unlisted, or None) standing as class ``extra_c``'s head:
+        listed if another block is taken, taken unlisted if it wins."""
         now = self.index.clock if self.index is not None else 0
         best = None
         best_score = best_last = 0.0
@@ -290,16 +311,19 @@ class HitDensityPolicy(EvictionPolicy):
             self._scored = [None] * CLASSES
         scored, scores = self._scored, self._scores
         for c, queue in enumerate(self._queues):
-            # queue.head(), with its common case inlined: the first block of the first bucket is live.
-            keys = queue.keys
-            if not keys:
-                continue
-            bucket = queue.buckets[keys[0]]
-            entry = bucket[0] if bucket else None
-            if entry is None or entry.handles[tier] != keys[0] << TAG_BITS | c:
-                entry = queue.head()
-                if entry is None:
+            if c == extra_c:
+                entry = extra
+            else:
+                # queue.head(), with its common case inlined: the first block of the first bucket is live.
+                keys = queue.keys
+                if not keys:
                     continue
+                bucket = queue.buckets[keys[0]]
+                entry = bucket[0] if bucket else None
+                if entry is None or entry.handles[tier] != keys[0] << TAG_BITS | c:
+                    entry = queue.head()
+                    if entry is None:
+                        continue
             last = entry.last_access
             if scored[c] is entry:
                 score = scores[c]
@@ -310,7 +334,10 @@ class HitDensityPolicy(EvictionPolicy):
                 best, best_score, best_last, best_c = entry, score, last, c
         if best is None:
             return None
-        self._queues[best_c].pop()
+        if best is not extra:
+            if extra is not None:
+                self._queues[extra_c].add(extra)
+            self._queues[best_c].pop()
         # Bury it: a ghost until it returns (admit) or the oldest ghosts pass the limit.
         ghosts = self.ghosts
         ghosts[best.key] = best_last << TAG_BITS | best_c

@@ -16,8 +16,8 @@ class LRUPolicy(EvictionPolicy):
         super().__init__(tier)
         self._queue = AgeQueue(tier)
         # The seam's calls go straight to the queue (one per block of every request).
-        self.add, self.discard, self.touch, self.pop = (
-            self._queue.add, self._queue.discard, self._queue.touch, self._queue.pop)
+        self.add, self.discard, self.touch, self.pop, self.pop_after = (
+            self._queue.add, self._queue.discard, self._queue.touch, self._queue.pop, self._queue.pop_after)
 
     def add(self, entry: Entry) -> None:
         self._queue.add(entry)
@@ -30,6 +30,10 @@ class LRUPolicy(EvictionPolicy):
 
     def pop(self) -> Entry | None:
         return self._queue.pop()
+
+    def pop_after(self, entry: Entry) -> Entry:
+        """``add(entry)`` then ``pop()`` (``PrefixIndex.evict`` passes the parent a victim exposed)."""
+        return self._queue.pop_after(entry)
 
     def __len__(self) -> int:
         return len(self._queue)
