@@ -92,7 +92,7 @@ def _keys(path: list[str]) -> list[bytes]:
     return [hashlib.blake2b("/".join(path[: i + 1]).encode()).digest()[:16] for i in range(len(path))]
 
 
-@pytest.mark.parametrize("name", ["lru", "hit_density"])
+@pytest.mark.parametrize("name", ["lru", "hit_density", "lfu", "cost_aware"])
 def test_batch_calls_are_the_one_block_calls(name):
     # Random requests over a shared prefix tree, run with match_entries/use/evict in one index
     # and match/get/pin/touch/victim/drop in the other: same state, same victims, same order.
