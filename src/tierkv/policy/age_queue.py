@@ -112,7 +112,12 @@ class AgeQueue:
 
     def pop_after(self, entry: Entry) -> Entry:
         """``add(entry)`` then ``pop()``: ``entry`` itself, never listed, when it would be the oldest."""
-        if self.head() is None or self.keys[0] > entry.last_access:  # (head() drops dead occurrences)
+        keys = self.keys
+        if keys:  # head(), with its common case inlined: the first block of the first bucket is live
+            bucket = self.buckets[keys[0]]
+            if not (bucket and bucket[0].handles[self.tier] == keys[0] << TAG_BITS | self.tag):
+                self.head()  # drops dead occurrences and empty buckets (keys is the same heap)
+        if not keys or keys[0] > entry.last_access:
             return entry
         self.add(entry)
         return self.pop()
