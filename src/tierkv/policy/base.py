@@ -2,8 +2,11 @@
 
 The index calls ``add`` when a block becomes evictable in the policy's tier,
 ``discard`` when it stops being evictable, ``touch`` when an evictable block
-is used, and ``pop`` to take the victim. A policy stores its bookkeeping in
-``entry.handles[tier]`` (None means "not listed") and never touches bytes.
+is used, and ``pop`` to take the victim. ``PrefixIndex.evict`` calls the
+optional ``pop_after(entry)`` — ``add(entry)`` then ``pop()`` in one call — with
+the parent each victim exposes (``lru``, ``hit_density`` and every heap policy
+have it). A policy stores its bookkeeping in ``entry.handles[tier]`` (None
+means "not listed") and never touches bytes.
 """
 
 from __future__ import annotations
