@@ -34,6 +34,8 @@ LOCAL_TIERS = (Tier.L1, Tier.L2, Tier.L3)
 MISS = -1
 # Lowest set bit of a 3-bit tier mask, i.e. the fastest tier holding a block.
 _BEST = (MISS, 0, 1, 0, 2, 0, 1, 0)
+# The tiers set in a 3-bit tier mask, fastest first (the loops over a block's tiers).
+_TIERS_OF = tuple(tuple(t for t in range(3) if m >> t & 1) for m in range(8))
 _L1 = int(Tier.L1)
 
 
@@ -45,15 +47,16 @@ class Entry:
         "last_access", "freq", "hits", "tag", "children", "handles",
     )
 
-    def __init__(self, key: bytes, parent: bytes | None, depth: int) -> None:
+    def __init__(self, key: bytes, parent: bytes | None, depth: int, last_access: int = 0,
+                 mask: int = 0, ref_count: int = 0) -> None:
         self.key = key
         self.parent = parent
         self.depth = depth
-        self.mask = 0
-        self.best = MISS
+        self.mask = mask
+        self.best = _BEST[mask]
         self.l1_slot: int | None = None
-        self.ref_count = 0
-        self.last_access = 0
+        self.ref_count = ref_count
+        self.last_access = last_access
         self.freq = 0.0
         self.hits = 0  # lookups that hit it while cached (not decayed)
         self.tag = 0   # owned by the policies (e.g. hit_density's class bits); the index never reads it
@@ -82,7 +85,9 @@ class Ranking(Protocol):
     def pop(self) -> Entry | None: ...
     # Optional: ``observe(entries, clock)``, called by ``PrefixIndex.touch`` with every
     # block a lookup hit (listed or not), before their use times are updated; and
-    # ``admit(entry)``, called by ``PrefixIndex.add`` each time the policy's tier gains a block.
+    # ``admit(entry)``, called by ``PrefixIndex.add`` each time the policy's tier gains a block;
+    # and ``pop_after(entry)``, ``add(entry)`` then ``pop()`` in one call (``evict`` hands it
+    # the parent each victim exposes, which is often the next victim itself).
     def __len__(self) -> int: ...
 
 
@@ -190,6 +195,18 @@ class PrefixIndex:
                 policy.add(entry)
         return entry
 
+    def match_entries(self, keys: Sequence[bytes]) -> list[Entry]:
+        """The entries of the longest cached prefix of ``keys`` (``match`` without the tiers)."""
+        get = self._entries.get
+        out: list[Entry] = []
+        append = out.append
+        for key in keys:
+            entry = get(key)
+            if entry is None:
+                break
+            append(entry)
+        return out
+
     def save_chain(self, keys: Sequence[bytes], start: int, tier: int) -> list[Entry]:
         """``add(keys[i], keys[i - 1], i, tier, pin=True)`` for each ``i >= start`` that ``tier`` lacks.
 
@@ -199,39 +216,49 @@ class PrefixIndex:
         the caller to ``unpin`` when the request ends.
         """
         entries, uncached, policies = self._entries, self._uncached_parents, self.policies
+        get = entries.get
         bit, clock, admit, policy = 1 << tier, self.clock, self._admits[tier], self.policies[tier]
-        counts = self.counts
+        events = self.events
         pinned: list[Entry] = []
+        append = pinned.append
         parent = keys[start - 1] if start else None
-        parent_entry = None if parent is None else (entries.get(parent) or uncached.get(parent))
-        for depth in range(start, len(keys)):
-            key = keys[depth]
-            entry = entries.get(key)
+        parent_entry = None if parent is None else (get(parent) or uncached.get(parent))
+        depth = start
+        skipped = 0  # blocks the tier held already
+        for key in keys[start:] if start else keys:
+            entry = get(key)
             if entry is None:
-                entry = uncached.pop(key, None)
-                if entry is None:
-                    entry = Entry(key, parent, depth)
-                else:
-                    entry.parent, entry.depth = parent, depth
-                entry.last_access = clock
-                entries[key] = entry
+                revived = uncached.pop(key, None) if uncached else None
+                if revived is None:
+                    # New (the common case): listed nowhere, so pinning it is setting the count.
+                    entry = entries[key] = Entry(key, parent, depth, clock, bit, 1)
+                    append(entry)
+                else:  # a parent no tier held: listed nowhere, perhaps pinned
+                    entry = entries[key] = revived
+                    entry.parent, entry.depth, entry.last_access = parent, depth, clock
+                    entry.mask, entry.best = bit, _BEST[bit]
+                    if entry.ref_count == 0:
+                        entry.ref_count = 1
+                        append(entry)
             elif entry.mask & bit:
                 parent, parent_entry = key, entry
+                depth += 1
+                skipped += 1
                 continue
-            if entry.ref_count == 0:
-                entry.ref_count = 1
-                handles = entry.handles
-                for t in LOCAL_TIERS:
-                    if handles[t] is not None:
-                        policies[t].discard(entry)
-                pinned.append(entry)
-            entry.mask |= bit
-            entry.best = _BEST[entry.mask]
-            counts[tier] += 1
+            else:
+                if entry.ref_count == 0:
+                    entry.ref_count = 1
+                    handles = entry.handles
+                    for t in _TIERS_OF[entry.mask]:
+                        if handles[t] is not None:
+                            policies[t].discard(entry)
+                    append(entry)
+                entry.mask |= bit
+                entry.best = _BEST[entry.mask]
             if admit is not None:
                 admit(entry)
-            if self.events is not None:
-                self.events.stored(key, tier)
+            if events is not None:
+                events.stored(key, tier)
             if parent is not None:
                 if parent_entry is None:
                     parent_entry = uncached[parent] = Entry(parent, None, max(depth - 1, 0))
@@ -240,6 +267,8 @@ class PrefixIndex:
                 if children[tier] == 1 and parent_entry.handles[tier] is not None:
                     policy.discard(parent_entry)
             parent, parent_entry = key, entry
+            depth += 1
+        self.counts[tier] += depth - start - skipped
         return pinned
 
     def drop(self, key: bytes, tier: int) -> Entry | None:
@@ -247,17 +276,58 @@ class PrefixIndex:
         entry = self._entries.get(key)
         if entry is None or not entry.mask >> tier & 1:
             return None
-        if entry.handles[tier] is not None:
+        self._drop(entry, tier)
+        return entry
+
+    def evict(self, tier: int, n: int) -> list[Entry]:
+        """Take up to ``n`` of ``tier``'s victims (its policy chooses) and drop them from ``tier``.
+
+        For a tier whose victims go nowhere (no tier below to demote to);
+        ``drop`` for each victim, in order. Returns the victims (fewer when
+        nothing more is evictable).
+        """
+        policy, drop_ = self.policies[tier], self._drop
+        victims: list[Entry] = []
+        if policy is None or n <= 0:
+            return victims
+        pop, append = policy.pop, victims.append
+        pop_after = getattr(policy, "pop_after", None)
+        exposed = None  # a parent the last victim made evictable, not listed yet
+        for _ in range(n):
+            if exposed is None:
+                entry = pop()
+                if entry is None:
+                    break
+            else:
+                entry = pop_after(exposed)
+            exposed = drop_(entry, tier, pop_after is not None)
+            append(entry)
+        if exposed is not None:
+            policy.add(exposed)
+        return victims
+
+    def _drop(self, entry: Entry, tier: int, defer: bool = False) -> Entry | None:
+        """``drop`` of an entry that ``tier`` holds (the one code path of every drop and eviction).
+
+        A parent this makes evictable in ``tier`` is listed, or with ``defer``
+        returned unlisted for the caller to list (``evict``); otherwise None.
+        """
+        handles = entry.handles
+        if handles[tier] is not None:
             self.policies[tier].discard(entry)
-        entry.mask &= ~(1 << tier)
-        entry.best = _BEST[entry.mask]
+        mask = entry.mask & ~(1 << tier)
+        entry.mask = mask
+        entry.best = _BEST[mask]
         if tier == _L1:
             entry.l1_slot = None
         self.counts[tier] -= 1
+        key = entry.key
         if self.events is not None:
             self.events.removed(key, tier)
-        if entry.parent is not None:
-            parent_entry = self._entries.get(entry.parent) or self._uncached_parents.get(entry.parent)
+        exposed = None
+        parent = entry.parent
+        if parent is not None:
+            parent_entry = self._entries.get(parent) or self._uncached_parents.get(parent)
             if parent_entry is not None:
                 children = parent_entry.children
                 children[tier] -= 1
@@ -266,17 +336,19 @@ class PrefixIndex:
                     if (parent_entry.mask >> tier & 1 and parent_entry.ref_count == 0
                             and parent_entry.handles[tier] is None):
                         policy = self.policies[tier]
-                        if policy is not None:
+                        if defer:
+                            exposed = parent_entry
+                        elif policy is not None:
                             policy.add(parent_entry)
-                    if parent_entry.mask == 0 and not any(children):
-                        del self._uncached_parents[entry.parent]
-        if entry.mask == 0:
+                    elif parent_entry.mask == 0 and not any(children):
+                        del self._uncached_parents[parent]
+        if mask == 0:
             del self._entries[key]
             if any(entry.children):
                 self._uncached_parents[key] = entry
             if self._removal_listeners:
                 self._notify_removed(key)
-        return entry
+        return exposed
 
     # -- removal listeners ----------------------------------------------------
 
@@ -315,44 +387,67 @@ class PrefixIndex:
     # -- use ------------------------------------------------------------------
 
     def pin(self, entries: Iterable[Entry]) -> None:
+        """Pin each of ``entries`` once more: a pinned block is no eviction candidate in any tier."""
+        policies = self.policies
         for entry in entries:
             entry.ref_count += 1
             if entry.ref_count == 1:
                 handles = entry.handles
-                for tier in LOCAL_TIERS:
+                for tier in _TIERS_OF[entry.mask]:
                     if handles[tier] is not None:
-                        self.policies[tier].discard(entry)
+                        policies[tier].discard(entry)
 
     def unpin(self, entries: Iterable[Entry]) -> None:
+        """Release one pin of each of ``entries``; a block left unpinned is listed where it is a leaf."""
+        policies = self.policies
         for entry in entries:
-            if entry.ref_count <= 0:
+            ref = entry.ref_count - 1
+            if ref < 0:
                 raise RuntimeError(f"unpin of an unpinned block {entry!r}")
-            entry.ref_count -= 1
-            if entry.ref_count == 0 and self._entries.get(entry.key) is entry:
-                mask, children, handles = entry.mask, entry.children, entry.handles
-                for tier in LOCAL_TIERS:
-                    # _relist, inlined: this loop runs for every block of every request.
-                    if mask >> tier & 1 and not children[tier] and handles[tier] is None:
-                        policy = self.policies[tier]
+            entry.ref_count = ref
+            if ref == 0:
+                # _relist, inlined: this loop runs for every block of every request. An entry
+                # the index forgot has no tier left (mask 0), so nothing lists it again.
+                children, handles = entry.children, entry.handles
+                for tier in _TIERS_OF[entry.mask]:
+                    if not children[tier] and handles[tier] is None:
+                        policy = policies[tier]
                         if policy is not None:
                             policy.add(entry)
 
     def touch(self, entries: Iterable[Entry]) -> None:
         """One access (a lookup that hit these blocks): advance the clock, decay and bump ``freq``."""
+        self.use(entries, False)
+
+    def use(self, entries: Iterable[Entry], pin: bool) -> None:
+        """A lookup's hits: with ``pin``, ``pin(entries)``, then ``touch(entries)``, in one pass.
+
+        The clock advances once; each policy that observes hits sees them all
+        (listed or not) before their use times change; each block gains a use
+        (``freq`` decays by the half-life and gains 1, ``hits`` gains 1).
+        """
         self.clock += 1
-        clock, decay = self.clock, self._decay
+        clock, decay, policies = self.clock, self._decay, self.policies
         if self._observers:
             entries = entries if isinstance(entries, list) else list(entries)
             for observe in self._observers:
                 observe(entries, clock)
         for entry in entries:
-            entry.freq = entry.freq * decay ** (clock - entry.last_access) + 1.0
+            last = entry.last_access
+            entry.freq = entry.freq * decay ** (clock - last) + 1.0
             entry.hits += 1
             entry.last_access = clock
-            if entry.ref_count == 0:
-                for tier in LOCAL_TIERS:
-                    if entry.handles[tier] is not None:
-                        self.policies[tier].touch(entry)
+            ref = entry.ref_count
+            if pin:
+                entry.ref_count = ref + 1
+            if ref == 0:
+                handles = entry.handles
+                for tier in _TIERS_OF[entry.mask]:
+                    if handles[tier] is not None:
+                        if pin:
+                            policies[tier].discard(entry)
+                        else:
+                            policies[tier].touch(entry)
 
     def victim(self, tier: int) -> Entry | None:
         """The evictable block ``tier``'s policy would evict next, unlisted; None if none."""

@@ -156,12 +156,11 @@ class TierKVStore:
         local = [e for e in entries if e is not None]
         m = Match(keys, tiers, entries, self.block_size)
         m.est_load_us, m.est_recompute_us = self.cost.estimate_us(tiers, len(keys), self.block_size)
-        if pin:
-            self.index.pin(local)
-            m.pinned = list(local)
         selective = self.config.policy.write == "write_through_selective"
         unselected = [e for e in local if e.freq <= 1.0] if selective else []
-        self.index.touch(local)
+        self.index.use(local, pin)  # pin (if asked) and touch in one pass, as the replay does
+        if pin:
+            m.pinned = list(local)
         if selective:
             # freq > 1 only after a block's second hit (each hit adds 1, decay keeps the rest > 0).
             # L2/L3 copies are redone whenever a selected block lacks them; L4, which the index

@@ -2,8 +2,11 @@
 
 The index calls ``add`` when a block becomes evictable in the policy's tier,
 ``discard`` when it stops being evictable, ``touch`` when an evictable block
-is used, and ``pop`` to take the victim. A policy stores its bookkeeping in
-``entry.handles[tier]`` (None means "not listed") and never touches bytes.
+is used, and ``pop`` to take the victim. ``PrefixIndex.evict`` calls the
+optional ``pop_after(entry)`` — ``add(entry)`` then ``pop()`` in one call — with
+the parent each victim exposes (``lru``, ``hit_density`` and every heap policy
+have it). A policy stores its bookkeeping in ``entry.handles[tier]`` (None
+means "not listed") and never touches bytes.
 """
 
 from __future__ import annotations
@@ -93,8 +96,27 @@ class HeapPolicy(EvictionPolicy):
             if entry is not None:
                 entry.handles[self.tier] = None
                 self._size -= 1
-                return entry
+                return self.taken(entry)
         return None
+
+    def taken(self, entry: Entry) -> Entry:
+        """Called with each block ``pop`` or ``pop_after`` takes, before it is returned (a learning hook)."""
+        return entry
+
+    def pop_after(self, entry: Entry) -> Entry:
+        """``add(entry)`` then ``pop()``; ``entry`` is never listed when it is the one taken."""
+        heap = self._heap
+        while heap and heap[0][2] is None:
+            heapq.heappop(heap)
+        # A new item's sequence number is the highest: it leads only on a strictly lower priority.
+        priority = self.priority(entry)
+        if not heap or priority < heap[0][0]:
+            return self.taken(entry)
+        item = [priority, next(self._seq), entry]
+        entry.handles[self.tier] = item
+        victim = heapq.heapreplace(heap, item)[2]  # the live head out, entry in: one sift
+        victim.handles[self.tier] = None
+        return self.taken(victim)
 
     def __len__(self) -> int:
         return self._size

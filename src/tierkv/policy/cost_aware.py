@@ -84,10 +84,8 @@ class CostAwarePolicy(HeapPolicy):
             benefit = self._benefit_per_byte(entry.depth)
         return entry.last_access + ((1.0 + entry.freq) * benefit / self._keyed_theta) ** self._inv_beta
 
-    def pop(self) -> Entry | None:
-        entry = super().pop()
-        if entry is None:
-            return None
+    def taken(self, entry: Entry) -> Entry:
+        """Each victim moves the threshold ``theta`` toward its score; a drift re-keys the heap."""
         now = self.index.clock if self.index is not None else entry.last_access
         age = max(now - entry.last_access, 1)
         score = self.worth(entry) / age ** self.beta

@@ -36,13 +36,13 @@ model. Not thread-safe (the store holds its lock).
 
 from __future__ import annotations
 
-import heapq
-import itertools
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from itertools import islice
+from operator import attrgetter
 
 from tierkv.cost import CostModel
 from tierkv.index import Entry
+from tierkv.policy.age_queue import TAG_BITS, AgeQueue
 from tierkv.policy.base import EvictionPolicy
 
 BINS = 64                 # half-octave age bins: ages up to 2**32 lookups
@@ -51,6 +51,7 @@ CLASSES = 2 + _LEVELS     # never hit (0: not a tip, 1: a tip), then hit 1, 2+ t
 # Entry.tag bits this policy owns: tip, seen (classified), and for a block back
 # from a ghost the hits the index forgot (bits 2-3).
 _TIP, _SEEN = 1, 2
+_CLASS_MASK = (1 << TAG_BITS) - 1  # a listed block's handle carries its class (its queue's tag)
 _EXTRA_SHIFT, _EXTRA_MASK = 2, 3
 # Recompute the densities after as many observed events (hits, ghost returns
 # and ends, evictions) as there are live blocks and ghosts, at least this many;
@@ -68,6 +69,8 @@ _ALIVE_SAMPLE = 1 << 17
 _FLOOR = 1e-6
 # Pseudo-events of the pooled (all-class) histograms added to each class's.
 _PRIOR_EVENTS = 16.0
+# What _alive reads of each entry, in one C-level call.
+_LIFE = attrgetter("mask", "hits", "tag", "last_access")
 
 
 def age_bin(age: int) -> int:
@@ -105,9 +108,13 @@ class HitDensityPolicy(EvictionPolicy):
         super().__init__(tier)
         self.cost = cost if cost is not None else CostModel.units(0.0)
         self.lower = lower
-        self._heaps: list[list[list]] = [[] for _ in range(CLASSES)]
-        self._seq = itertools.count()
-        self._size = 0
+        self._queues = [AgeQueue(tier, c) for c in range(CLASSES)]
+        # Per class: the head last scored and its score, valid for one clock and one version
+        # of the densities: a trim of many blocks at one clock scores each class's head once,
+        # not per victim (within a clock a listed block's last use does not change).
+        self._scored: list[Entry | None] = [None] * CLASSES
+        self._scores = [0.0] * CLASSES
+        self._scored_clock = self._scored_version = -1
         self._benefit: list[float] = []
         self.hit_hist = [[0.0] * BINS for _ in range(CLASSES)]
         self.end_hist = [[0.0] * BINS for _ in range(CLASSES)]
@@ -116,12 +123,13 @@ class HitDensityPolicy(EvictionPolicy):
         self._events = 0
         self._period = _MIN_PERIOD
         self.updates = 0
-        self.ghosts: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        # key -> last use << TAG_BITS | class (an int, not a tuple: one object less per eviction).
+        self.ghosts: OrderedDict[bytes, int] = OrderedDict()
         self._counts = [0, 0, 0]  # the index's block counts per tier, once bound
         self.ghost_hits = 0
 
     def __len__(self) -> int:
-        return self._size
+        return sum(map(len, self._queues))
 
     def bind(self, index) -> None:
         """Called once by the index that lists into this policy (its clock and block counts)."""
@@ -150,7 +158,7 @@ class HitDensityPolicy(EvictionPolicy):
         ghost = self.ghosts.pop(entry.key, None)
         if ghost is None:
             return
-        c, last = ghost
+        c, last = ghost & _CLASS_MASK, ghost >> TAG_BITS
         age = self.index.clock - last
         bl = age.bit_length()
         b = bl if bl < 2 else 2 * bl - 2 + ((age >> (bl - 2)) & 1)
@@ -165,9 +173,13 @@ class HitDensityPolicy(EvictionPolicy):
         """The oldest ghosts past the limit end their lives unreused; the limit follows the tier's size."""
         ghosts, ends = self.ghosts, self.end_hist
         limit = min(GHOST_FACTOR * self._counts[self.tier] + 64, MAX_GHOSTS)
+        popitem = ghosts.popitem
         while len(ghosts) > limit:
-            _, (gc, glast) = ghosts.popitem(last=False)
-            ends[gc][age_bin(now - glast)] += 1.0
+            _, ghost = popitem(last=False)
+            age = now - (ghost >> TAG_BITS)
+            bl = age.bit_length()
+            b = bl if bl < 2 else 2 * bl - 2 + ((age >> (bl - 2)) & 1)  # age_bin, inlined (once per eviction)
+            ends[ghost & _CLASS_MASK][b if b < BINS else BINS - 1] += 1.0
 
     def _alive(self) -> list[list[float]]:
         """Per class and age bin: lives not ended yet (blocks cached in this tier, ghosts).
@@ -182,14 +194,18 @@ class HitDensityPolicy(EvictionPolicy):
         if self.index is None:
             return alive
         now = self.index.clock
+        # Counted per distinct (class, last use) first: a chain evicted or saved at once shares
+        # both, so the Python loop runs over far fewer keys than there are lives.
         stride = max(1, len(self.ghosts) // _ALIVE_SAMPLE)
-        for c, last in islice(self.ghosts.values(), 0, None, stride):
-            alive[c][age_bin(now - last)] += stride
+        for ghost, n in Counter(islice(self.ghosts.values(), 0, None, stride)).items():
+            alive[ghost & _CLASS_MASK][age_bin(now - (ghost >> TAG_BITS))] += n * stride
         bit = 1 << self.tier
         stride = max(1, len(self.index) // _ALIVE_SAMPLE)
-        for e in islice(self.index.entries(), 0, None, stride):
-            if e.mask & bit:
-                alive[block_class(e)][age_bin(now - e.last_access)] += stride
+        for (mask, hits, tag, last), n in Counter(map(_LIFE, islice(self.index.entries(), 0, None, stride))).items():
+            if mask & bit:
+                hits += (tag >> _EXTRA_SHIFT) & _EXTRA_MASK
+                c = 1 + (hits if hits < _LEVELS else _LEVELS) if hits else tag & _TIP  # block_class, inlined
+                alive[c][age_bin(now - last)] += n * stride
         return alive
 
     def _update(self) -> None:
@@ -245,27 +261,21 @@ class HitDensityPolicy(EvictionPolicy):
 
     def add(self, entry: Entry) -> None:
         """List ``entry`` (now evictable in this tier) under its class, oldest first."""
-        if not entry.tag & _SEEN:  # first listing: a tip if fresh from the save that created it
+        self._queues[self._listing_class(entry)].add(entry)
+
+    def _listing_class(self, entry: Entry) -> int:
+        """``block_class(entry)``, marking a block listed for the first time (a tip if fresh from its save)."""
+        if not entry.tag & _SEEN:
             entry.tag |= _SEEN | (_TIP if entry.hits == 0 and self.index is not None
                                   and entry.last_access == self.index.clock else 0)
         hits = entry.hits + ((entry.tag >> _EXTRA_SHIFT) & _EXTRA_MASK)
-        c = 1 + (hits if hits < _LEVELS else _LEVELS) if hits else entry.tag & _TIP  # block_class, inlined
-        item = [entry.last_access, next(self._seq), entry, c]
-        entry.handles[self.tier] = item
-        heapq.heappush(self._heaps[c], item)
-        self._size += 1
+        return 1 + (hits if hits < _LEVELS else _LEVELS) if hits else entry.tag & _TIP  # block_class, inlined
 
     def discard(self, entry: Entry) -> None:
         """Unlist ``entry`` (pinned, or no longer a leaf)."""
-        item = entry.handles[self.tier]
-        if item is not None:
-            item[2] = None
-            entry.handles[self.tier] = None
-            self._size -= 1
-            heap = self._heaps[item[3]]
-            if len(heap) > 64 and len(heap) > 4 * self._size:
-                self._heaps[item[3]] = [i for i in heap if i[2] is not None]
-                heapq.heapify(self._heaps[item[3]])
+        handle = entry.handles[self.tier]
+        if handle is not None:
+            self._queues[handle & _CLASS_MASK].discard(entry)
 
     def touch(self, entry: Entry) -> None:
         """``entry`` was used while listed: re-list it under its new age and class."""
@@ -274,51 +284,84 @@ class HitDensityPolicy(EvictionPolicy):
 
     def pop(self) -> Entry | None:
         """Unlist and return the listed leaf of lowest density × benefit (None if none)."""
+        return self._take(None, -1)
+
+    def pop_after(self, entry: Entry) -> Entry:
+        """``add(entry)`` then ``pop()``; ``entry`` is never listed when it is the one taken.
+
+        ``PrefixIndex.evict`` passes the parent each victim exposes, which is
+        often the next victim: its class's oldest, and lowest of all heads.
+        """
+        c = self._listing_class(entry)
+        queue = self._queues[c]
+        if queue.head() is not None and queue.keys[0] <= entry.last_access:
+            queue.add(entry)  # an older block leads its class: the plain order
+            return self._take(None, -1)
+        return self._take(entry, c)
+
+    def _take(self, extra: Entry | None, extra_c: int) -> Entry | None:
+        """``pop``, with ``extra`` (unlisted, or None) standing as class ``extra_c``'s head:
+        listed if another block is taken, taken unlisted if it wins."""
         now = self.index.clock if self.index is not None else 0
         best = None
-        best_score = 0.0
-        benefit = self._benefit
-        density = self.density
-        pop = heapq.heappop
-        for heap in self._heaps:
-            while heap and heap[0][2] is None:
-                pop(heap)
-            if not heap:
-                continue
-            item = heap[0]
-            age = now - item[0]
-            # The density at this age, linear between the starts of its bin and the next
-            # (so age still orders blocks within a bin when classes look alike).
-            bl = age.bit_length()
-            if bl < 2:
-                b, frac = bl, 0.0
+        best_score = best_last = 0.0
+        tier = self.tier
+        if self._scored_clock != now or self._scored_version != self.updates:  # every memo is stale
+            self._scored_clock, self._scored_version = now, self.updates
+            self._scored = [None] * CLASSES
+        scored, scores = self._scored, self._scores
+        for c, queue in enumerate(self._queues):
+            if c == extra_c:
+                entry = extra
             else:
-                shift = bl - 2
-                half = (age >> shift) & 1
-                b = 2 * bl - 2 + half
-                frac = (age - ((2 + half) << shift)) / (1 << shift)
-            if b >= BINS - 1:
-                b, frac = BINS - 2, 1.0
-            curve = density[item[3]]
-            at = curve[b]
-            depth = item[2].depth
-            score = (at + (curve[b + 1] - at) * frac) * (
-                benefit[depth] if depth < len(benefit) else self._benefit_at(depth))
-            if best is None or score < best_score or (score == best_score and item[0] < best[0]):
-                best, best_score = item, score
+                # queue.head(), with its common case inlined: the first block of the first bucket is live.
+                keys = queue.keys
+                if not keys:
+                    continue
+                bucket = queue.buckets[keys[0]]
+                entry = bucket[0] if bucket else None
+                if entry is None or entry.handles[tier] != keys[0] << TAG_BITS | c:
+                    entry = queue.head()
+                    if entry is None:
+                        continue
+            last = entry.last_access
+            if scored[c] is entry:
+                score = scores[c]
+            else:
+                score = scores[c] = self._score(c, now - last, entry.depth)
+                scored[c] = entry
+            if best is None or score < best_score or (score == best_score and last < best_last):
+                best, best_score, best_last, best_c = entry, score, last, c
         if best is None:
             return None
-        c, last = best[3], best[0]
-        pop(self._heaps[c])
-        entry = best[2]
-        entry.handles[self.tier] = None
-        self._size -= 1
+        if best is not extra:
+            if extra is not None:
+                self._queues[extra_c].add(extra)
+            self._queues[best_c].pop()
         # Bury it: a ghost until it returns (admit) or the oldest ghosts pass the limit.
         ghosts = self.ghosts
-        ghosts[entry.key] = (c, last)
+        ghosts[best.key] = best_last << TAG_BITS | best_c
         if len(ghosts) > GHOST_FACTOR * self._counts[self.tier] + 64 or len(ghosts) > MAX_GHOSTS:
             self._trim_ghosts(now)
         self._events += 1
         if self._events >= self._period:
             self._update()
-        return entry
+        return best
+
+    def _score(self, c: int, age: int, depth: int) -> float:
+        """Class ``c``'s density at ``age``, linear between the starts of its bin and the next
+        (so age still orders blocks within a bin when classes look alike), times the benefit at ``depth``."""
+        bl = age.bit_length()
+        if bl < 2:
+            b, frac = bl, 0.0
+        else:
+            shift = bl - 2
+            half = (age >> shift) & 1
+            b = 2 * bl - 2 + half
+            frac = (age - ((2 + half) << shift)) / (1 << shift)
+        if b >= BINS - 1:
+            b, frac = BINS - 2, 1.0
+        curve = self.density[c]
+        at = curve[b]
+        benefit = self._benefit
+        return (at + (curve[b + 1] - at) * frac) * (benefit[depth] if depth < len(benefit) else self._benefit_at(depth))
