@@ -131,7 +131,7 @@ def _publish_rounds(pub: KVEventPublisher, rounds: range, per: int = 20) -> None
 
 def test_subscribers_that_lose_batches_resync_to_the_same_inventory(publisher):
     # Both ends queue at most 4 messages per subscriber, so a consumer that falls behind loses batches.
-    pub = publisher(ring_batches=100_000, hwm=4, max_batch_events=1)  # one batch per change
+    pub = publisher(ring_batches=100_000, hwm=4)  # one batch per change (each fits max_batch_events)
     full = KVEventSubscriber(pub.endpoint, pub.replay_endpoint).start()
     assert full.wait_for(-1)
     _publish_rounds(pub, range(0, 50))
@@ -157,7 +157,7 @@ def test_subscribers_that_lose_batches_resync_to_the_same_inventory(publisher):
 
 
 def test_replay_older_than_the_ring_sends_a_snapshot(publisher):
-    pub = publisher(ring_batches=8, max_batch_events=1)
+    pub = publisher(ring_batches=8)
     _publish_rounds(pub, range(0, 30))
     assert pub.flush()
     sub = KVEventSubscriber(pub.endpoint, pub.replay_endpoint).start()

@@ -98,19 +98,20 @@ def test_a_listener_may_call_the_store_and_its_errors_are_counted(make_store, la
 def test_a_batch_is_the_net_change():
     events = TierEvents()
     got = []
-    gate = threading.Event()
-    events.add_listener(lambda s, r: (gate.wait(10), got.append((s, r))))
-    events.stored(b"x", L1)          # the first batch: delivery blocks on the gate
-    while not events._delivering:
-        threading.Event().wait(0.01)
-    events.stored(b"a", L1)
-    events.removed(b"a", L1)         # stored then removed: nothing
-    events.removed(b"b", L2)
-    events.stored(b"b", L2)          # removed then stored: nothing
-    events.removed(b"c", L1)
-    events.stored(b"c", L2)          # a demotion: both
-    events.stored(b"d", Tier.L4)
-    events.stored(b"d", Tier.L4)     # the same arrival twice: once
+    gate, entered = threading.Event(), threading.Event()
+    events.add_listener(lambda s, r: (entered.set(), gate.wait(10), got.append((s, r))))
+    with events.lock:
+        events.stored(b"x", L1)      # the first batch: delivery blocks on the gate
+    assert entered.wait(10)
+    with events.lock:                # recorders hold the lock a store passes in (here: its own)
+        events.stored(b"a", L1)
+        events.removed(b"a", L1)     # stored then removed: nothing
+        events.removed(b"b", L2)
+        events.stored(b"b", L2)      # removed then stored: nothing
+        events.removed(b"c", L1)
+        events.stored(b"c", L2)      # a demotion: both
+        events.stored(b"d", Tier.L4)
+        events.stored(b"d", Tier.L4)  # the same arrival twice: once
     gate.set()
     assert events.flush(10)
     events.close()
