@@ -116,3 +116,19 @@ def test_a_batch_is_the_net_change():
     assert events.flush(10)
     events.close()
     assert got == [([(b"x", L1)], []), ([(b"c", L2), (b"d", Tier.L4)], [(b"c", L1)])]
+
+
+def test_a_by_tier_listener_gets_the_same_batches_as_key_lists(make_store, layout):
+    store = make_store(l1=4, l2=4, l3=16)
+    pairs, lists = Recorder(), []
+    store.add_tier_listener(pairs)
+    store.add_tier_listener(lambda s, r: lists.append((s, r)), by_tier=True)
+    for i in range(1, 4):
+        save_prompt(store, prompt(i, 4, layout))
+    store.flush()
+    assert len(lists) == len(pairs.batches) >= 1
+    for (stored, removed), (s, r) in zip(pairs.batches, lists):
+        assert len(s) == len(r) == 4  # L1..L4
+        assert stored == [(k, t) for t, keys in enumerate(s) for k in keys]
+        assert removed == [(k, t) for t, keys in enumerate(r) for k in keys]
+    assert pairs.net() == held_by_index(store)
