@@ -20,6 +20,7 @@ put_*_cpu_off_us / _on_us     process CPU (every thread) per put block, the cloc
                               ``store.flush()`` returns (on both stores) and, events on, until every event
                               of the round has been sent: the events' whole cost in this process, which
                               the caller does not wait for
+put_*_events_thread_us        of that, the events-on store's ``tierkv-events`` thread (Linux schedstat)
 Rounds alternate which store goes first; figures are medians over rounds. At the end the subscriber's
 inventory must equal the store's index, key by key and tier by tier (a digest of both): what the
 events said is true. The load average before and after is reported: on a shared machine the wall-clock
@@ -126,6 +127,17 @@ def lookup_pair(look: dict[str, TierKVStore], tokens: list[int], order: tuple[st
                 raise SystemExit(f"lookup store {name}: expected {want} L2 hits, got {m.counts}")
 
 
+def thread_cpu(thread) -> float:
+    """CPU seconds ``thread`` has run (Linux schedstat, ns), 0 without one."""
+    if thread is None:
+        return 0.0
+    try:
+        with open(f"/proc/self/task/{thread.native_id}/schedstat") as f:
+            return int(f.read().split()[0]) / 1e9
+    except OSError:
+        return 0.0
+
+
 def verify_round(store: TierKVStore, keys: list[bytes], sources: list[torch.Tensor],
                  landing: list[torch.Tensor], name: str) -> None:
     """Read every block of the round back from L2 and compare it with what was put, byte for byte."""
@@ -170,6 +182,8 @@ def main() -> None:
         keys = [next(counter).to_bytes(16, "little") for _ in range(n)]
         for i, src in enumerate(sources[kind]):
             src.fill_(int.from_bytes(keys[i][:2], "little") % 251)
+        events_thread = store.events._thread
+        e0 = thread_cpu(events_thread)
         c0, t0, u0 = time.process_time(), time.perf_counter(), time.thread_time()
         ok = store.put_blocks(keys, sources[kind])
         seconds, caller = time.perf_counter() - t0, time.thread_time() - u0
@@ -177,6 +191,8 @@ def main() -> None:
         if name == "on":
             followers[kind].pub.flush()
         cpu = time.process_time() - c0
+        if name == "on":
+            res[f"put_{kind}_events_thread"].append((thread_cpu(events_thread) - e0) / n * 1e6)
         if not all(ok):
             raise SystemExit(f"put_blocks refused blocks on the events-{name} store")
         if check:
@@ -218,7 +234,7 @@ def main() -> None:
                "loadavg_after": [round(x, 2) for x in load_after],
                "put": {kind: {"layout_block_bytes": layout.block_bytes, "blocks_per_round": n, "l2_blocks": l2}
                        for kind, (layout, n, l2) in PUTS.items()},
-               **{f"{k}_us" if k.startswith("lookup") or "cpu" in k else f"{k}_bps": round(v, 2)
+               **{f"{k}_us" if k.startswith("lookup") or "cpu" in k or "thread" in k else f"{k}_bps": round(v, 2)
                   for k, v in med.items()},
                "small_put_off_over_on": round(med["put_small_off"] / med["put_small_on"], 4),
                "verified": {w: {"inventory": n, "batches": b, "events": e} for w, (n, b, e) in verified.items()},
@@ -241,6 +257,8 @@ def main() -> None:
             (f"put_{kind}_cpu_off_us", f"{med[f'put_{kind}_cpu_off']:.1f}", "process CPU per block, all threads"),
             (f"put_{kind}_cpu_on_us", f"{med[f'put_{kind}_cpu_on']:.1f}",
              f"events on, until every event is sent ({med[f'put_{kind}_cpu_on'] / med[f'put_{kind}_cpu_off']:.2f}x)"),
+            (f"put_{kind}_events_thread_us", f"{med[f'put_{kind}_events_thread']:.1f}",
+             "of which the store's tierkv-events thread: batching, encoding, sending"),
         ]
     n, b, e = verified["small"]
     rows.append(("verified", f"{n:,}", f"subscriber == store index (small-block store; {b:,} batches, {e:,} events)"))
