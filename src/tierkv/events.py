@@ -7,9 +7,11 @@ store's lock, which already serialises every commit: it is a dict operation
 or two on the pending batch (no lock of its own, no object per event), and
 nothing at all when no listener is registered. The first record after the
 delivery thread went idle wakes it. That thread ``tierkv-events`` lets the
-batch fill for ``window_s``, takes it in one swap under the store's lock, and
-hands it to the listeners with no lock held, so a slow listener delays only
-later batches, never a lookup or a save.
+batch fill for ``window_s``, swaps in an empty one without taking any lock
+(a flag the recorder raises while it writes tells the thread when the old
+batch is complete), and hands it to the listeners, so neither a slow
+listener nor the delivery itself ever waits for, or holds up, a lookup or a
+save.
 
 A batch is a net change: a block stored into a tier and removed from it again
 before the batch went out appears in neither list (and the other way round).
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 log = logging.getLogger("tierkv")
@@ -40,10 +43,11 @@ def _empty() -> tuple[dict[bytes, bool], ...]:
 class TierEvents:
     """Collects tier arrivals and departures and delivers them, batched, on its own thread.
 
-    ``stored``/``removed`` must be called with ``lock`` held (the store's
-    lock, under which every commit runs; a ``TierEvents`` made without one
-    has its own, which callers then take). They take no other lock but a
-    notify when the delivery thread sleeps. Listeners run one at a time on
+    ``stored``/``removed`` must be called with ``lock`` held, so that no two
+    run at once (the store's lock, under which every commit runs; a
+    ``TierEvents`` made without one has its own, which callers then take).
+    They take no lock themselves and only release one, once per batch, to
+    wake the delivery thread. The delivery thread takes neither. Listeners run one at a time on
     the thread ``tierkv-events``; an exception one raises is counted in
     ``errors`` and logged once, never seen by the store. ``flush`` cuts the
     window short.
@@ -56,8 +60,10 @@ class TierEvents:
         self.window_s = window_s
         self._listeners: tuple[tuple[TierListener, bool], ...] = ()  # copy-on-write: read without the lock
         self._cond = threading.Condition()  # listeners, flush, close
-        # The pending batch, per tier: keys stored / removed, in arrival order (swapped under self.lock).
-        self._new, self._gone = _empty(), _empty()
+        # The pending batch: per tier, keys stored / removed, in arrival order. Swapped whole (one
+        # attribute store) by the delivery thread; _recording is up while a recorder writes into it.
+        self._batch = (_empty(), _empty())
+        self._recording = False
         # Two binary semaphores, held while nobody rings them (a raw lock is the cheapest wait there is):
         # _bell wakes the idle thread at a batch's first record, _hurry ends a window early (flush, close).
         self._bell, self._hurry = threading.Lock(), threading.Lock()
@@ -95,8 +101,11 @@ class TierEvents:
     def stored(self, key: bytes, tier: int) -> None:
         """``tier`` now holds ``key`` (a ``bytes`` block key). Caller holds ``lock``."""
         if self._listeners:
-            if self._gone[tier].pop(key, None) is None:  # removed, then stored again: no change
-                self._new[tier][key] = True
+            self._recording = True  # before reading _batch: see _take
+            new, gone = self._batch
+            if gone[tier].pop(key, None) is None:  # removed, then stored again: no change
+                new[tier][key] = True
+            self._recording = False
             if self._sleeping:  # the first record since the thread went idle (callers are serialised)
                 self._sleeping = False
                 _ring(self._bell)
@@ -104,14 +113,34 @@ class TierEvents:
     def removed(self, key: bytes, tier: int) -> None:
         """``tier`` no longer holds ``key``. Caller holds ``lock``."""
         if self._listeners:
-            if self._new[tier].pop(key, None) is None:  # stored, then removed again: no change
-                self._gone[tier][key] = True
+            self._recording = True
+            new, gone = self._batch
+            if new[tier].pop(key, None) is None:  # stored, then removed again: no change
+                gone[tier][key] = True
+            self._recording = False
             if self._sleeping:
                 self._sleeping = False
                 _ring(self._bell)
 
     def _pending(self) -> bool:
-        return any(self._new) or any(self._gone)
+        new, gone = self._batch
+        return any(new) or any(gone)
+
+    def _take(self) -> tuple[tuple[dict[bytes, bool], ...], tuple[dict[bytes, bool], ...]]:
+        """Swap in an empty batch and return the full one, complete.
+
+        Recorders are serialised (``lock``) and raise ``_recording`` before they
+        read ``_batch``; this thread replaces ``_batch`` before it reads the
+        flag. So a recorder that still holds the old batch has the flag up, and
+        once it is down every write to the old batch has been made. (This leans
+        on the GIL ordering attribute reads and writes across threads; a
+        free-threaded CPython would need a lock here.)
+        """
+        batch = self._batch
+        self._batch = (_empty(), _empty())
+        while self._recording:  # only when a GIL switch fell inside a record: let it finish
+            time.sleep(0)
+        return batch
 
     def flush(self, timeout: float | None = 10.0) -> bool:
         """Wait until every event recorded so far has been delivered; False on timeout.
@@ -151,9 +180,7 @@ class TierEvents:
                 self._hurry.acquire(timeout=self.window_s)
             self._delivering = True  # before the swap: flush must never see neither pending nor delivering
             listeners = self._listeners
-            with self.lock:
-                new, gone = self._new, self._gone
-                self._new, self._gone = _empty(), _empty()
+            new, gone = self._take()
             self._deliver(listeners, [list(d) for d in new], [list(d) for d in gone])
             with self._cond:
                 self.batches += 1
