@@ -21,7 +21,8 @@ put_*_cpu_off_us / _on_us     process CPU (every thread) per put block, the cloc
                               of the round has been sent: the events' whole cost in this process, which
                               the caller does not wait for
 put_*_events_thread_us        of that, the events-on store's ``tierkv-events`` thread (Linux schedstat)
-Rounds alternate which store goes first; figures are medians over rounds. At the end the subscriber's
+Rounds alternate which store goes first; figures are medians over rounds (101; 11 with --quick);
+``put_*_off_over_on_paired`` is the median of each round's own off/on ratio. At the end the subscriber's
 inventory must equal the store's index, key by key and tier by tier (a digest of both): what the
 events said is true. The load average before and after is reported: on a shared machine the wall-clock
 rows are only as good as it was quiet.
@@ -157,7 +158,7 @@ def verify_round(store: TierKVStore, keys: list[bytes], sources: list[torch.Tens
 
 def main() -> None:
     args = parser(__doc__.splitlines()[0]).parse_args()
-    rounds = 11 if args.quick else 41
+    rounds = 11 if args.quick else 101
     load_before = os.getloadavg()
     torch.set_num_threads(1)
     rng = random.Random(1)
@@ -223,6 +224,10 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
     load_after = os.getloadavg()
     med = {k: sorted(v)[len(v) // 2] for k, v in res.items()}
+    # The same rounds paired: each on round against the off round beside it, so a drift in the
+    # machine's load between rounds cancels (reported beside the ratio of medians the target uses).
+    paired = {kind: sorted(a / b for a, b in zip(res[f"put_{kind}_off"], res[f"put_{kind}_on"]))[rounds // 2]
+              for kind in PUTS}
     targets = [
         target("lookup_on_over_off", med["lookup_on"] / med["lookup_off"], "<=", 1.02, "lookup, events off"),
         target("put_off_over_on", med["put_ref_off"] / med["put_ref_on"], "<=", 1.02,
@@ -237,6 +242,7 @@ def main() -> None:
                **{f"{k}_us" if k.startswith("lookup") or "cpu" in k or "thread" in k else f"{k}_bps": round(v, 2)
                   for k, v in med.items()},
                "small_put_off_over_on": round(med["put_small_off"] / med["put_small_on"], 4),
+               **{f"put_{kind}_off_over_on_paired": round(v, 4) for kind, v in paired.items()},
                "verified": {w: {"inventory": n, "batches": b, "events": e} for w, (n, b, e) in verified.items()},
                **{x["metric"]: x["value"] for x in targets}}
     rows = [
@@ -250,6 +256,8 @@ def main() -> None:
             (f"put_{kind}_off_bps", f"{med[f'put_{kind}_off']:,.0f}", f"put_blocks of {size} blocks into a full L2"),
             (f"put_{kind}_on_bps", f"{med[f'put_{kind}_on']:,.0f}",
              f"events on; off/on {verdict(t['put_off_over_on']) if kind == 'ref' else f'{ratio:.3f} (no target)'}"),
+            (f"put_{kind}_off_over_on_paired", f"{paired[kind]:.3f}",
+             "median of each round's off/on (the rounds side by side), no target"),
             (f"put_{kind}_caller_cpu_off_us", f"{med[f'put_{kind}_caller_cpu_off']:.1f}",
              "the calling thread's CPU per block"),
             (f"put_{kind}_caller_cpu_on_us", f"{med[f'put_{kind}_caller_cpu_on']:.1f}", "the same, events on "
