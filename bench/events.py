@@ -157,7 +157,10 @@ def verify_round(store: TierKVStore, keys: list[bytes], sources: list[torch.Tens
 
 
 def main() -> None:
-    args = parser(__doc__.splitlines()[0]).parse_args()
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--null", action="store_true",
+                   help="attach nothing to the 'on' stores: both sides events off, the ratios show the noise floor")
+    args = p.parse_args()
     rounds = 11 if args.quick else 101
     load_before = os.getloadavg()
     torch.set_num_threads(1)
@@ -173,7 +176,7 @@ def main() -> None:
                for kind, (layout, n, _) in PUTS.items()}
     landing = {kind: [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in range(n)]
                for kind, (layout, n, _) in PUTS.items()}
-    followers = {"lookup": Follower(look["on"]), **{kind: Follower(puts[kind, "on"]) for kind in PUTS}}
+    followers = {} if args.null else {"lookup": Follower(look["on"]), **{kind: Follower(puts[kind, "on"]) for kind in PUTS}}
     counter = iter(range(10**9))
 
     def put_round(kind: str, name: str, check: bool) -> tuple[float, float, float]:
@@ -189,10 +192,10 @@ def main() -> None:
         ok = store.put_blocks(keys, sources[kind])
         seconds, caller = time.perf_counter() - t0, time.thread_time() - u0
         store.flush()  # outside the wall clock, inside the CPU clock; on both stores, so only the events differ
-        if name == "on":
+        if name == "on" and followers:
             followers[kind].pub.flush()
         cpu = time.process_time() - c0
-        if name == "on":
+        if name == "on" and followers:
             res[f"put_{kind}_events_thread"].append((thread_cpu(events_thread) - e0) / n * 1e6)
         if not all(ok):
             raise SystemExit(f"put_blocks refused blocks on the events-{name} store")
@@ -234,7 +237,7 @@ def main() -> None:
                "L2 put throughput of Llama-3.1-8B blocks, events off"),
     ]
     t = {x["metric"]: x for x in targets}
-    figures = {"rounds": rounds, "lookup_calls": len(res["lookup_on"]), "prompt_tokens": PROMPT,
+    figures = {"rounds": rounds, "null": args.null, "lookup_calls": len(res["lookup_on"]), "prompt_tokens": PROMPT,
                "index_entries": ENTRIES, "loadavg_before": [round(x, 2) for x in load_before],
                "loadavg_after": [round(x, 2) for x in load_after],
                "put": {kind: {"layout_block_bytes": layout.block_bytes, "blocks_per_round": n, "l2_blocks": l2}
@@ -265,11 +268,15 @@ def main() -> None:
             (f"put_{kind}_cpu_off_us", f"{med[f'put_{kind}_cpu_off']:.1f}", "process CPU per block, all threads"),
             (f"put_{kind}_cpu_on_us", f"{med[f'put_{kind}_cpu_on']:.1f}",
              f"events on, until every event is sent ({med[f'put_{kind}_cpu_on'] / med[f'put_{kind}_cpu_off']:.2f}x)"),
-            (f"put_{kind}_events_thread_us", f"{med[f'put_{kind}_events_thread']:.1f}",
-             "of which the store's tierkv-events thread: batching, encoding, sending"),
         ]
-    n, b, e = verified["small"]
-    rows.append(("verified", f"{n:,}", f"subscriber == store index (small-block store; {b:,} batches, {e:,} events)"))
+        if not args.null:
+            rows.append((f"put_{kind}_events_thread_us", f"{med[f'put_{kind}_events_thread']:.1f}",
+                         "of which the store's tierkv-events thread: batching, encoding, sending"))
+    if args.null:
+        rows.append(("null", "1", "--null: nothing attached to the 'on' stores (events off on both sides)"))
+    else:
+        n, b, e = verified["small"]
+        rows.append(("verified", f"{n:,}", f"subscriber == store index (small-block store; {b:,} batches, {e:,} events)"))
     rows.append(("loadavg", f"{load_before[0]:.2f}", f"1-minute load average before; {load_after[0]:.2f} after "
                  f"({os.cpu_count()} CPUs); every put round read back and compared"))
     print_table(f"KV event publishing overhead, median of {rounds} interleaved rounds", rows)
