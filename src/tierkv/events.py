@@ -47,10 +47,10 @@ class TierEvents:
     run at once (the store's lock, under which every commit runs; a
     ``TierEvents`` made without one has its own, which callers then take).
     They take no lock themselves and only release one, once per batch, to
-    wake the delivery thread. The delivery thread takes neither. Listeners run one at a time on
-    the thread ``tierkv-events``; an exception one raises is counted in
-    ``errors`` and logged once, never seen by the store. ``flush`` cuts the
-    window short.
+    wake the delivery thread, which never takes ``lock``. Listeners run one
+    at a time on the thread ``tierkv-events``; an exception one raises is
+    counted in ``errors`` and logged once, never seen by the store.
+    ``flush`` cuts the window short.
     """
 
     def __init__(self, lock: threading.RLock | None = None, window_s: float = WINDOW_S) -> None:
