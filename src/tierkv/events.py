@@ -102,10 +102,12 @@ class TierEvents:
         """``tier`` now holds ``key`` (a ``bytes`` block key). Caller holds ``lock``."""
         if self._listeners:
             self._recording = True  # before reading _batch: see _take
-            new, gone = self._batch
-            if gone[tier].pop(key, None) is None:  # removed, then stored again: no change
-                new[tier][key] = True
-            self._recording = False
+            try:
+                new, gone = self._batch
+                if gone[tier].pop(key, None) is None:  # removed, then stored again: no change
+                    new[tier][key] = True
+            finally:  # (a bad tier raises to the caller; the delivery thread must not wait for it)
+                self._recording = False
             if self._sleeping:  # the first record since the thread went idle (callers are serialised)
                 self._sleeping = False
                 _ring(self._bell)
@@ -114,10 +116,12 @@ class TierEvents:
         """``tier`` no longer holds ``key``. Caller holds ``lock``."""
         if self._listeners:
             self._recording = True
-            new, gone = self._batch
-            if new[tier].pop(key, None) is None:  # stored, then removed again: no change
-                gone[tier][key] = True
-            self._recording = False
+            try:
+                new, gone = self._batch
+                if new[tier].pop(key, None) is None:  # stored, then removed again: no change
+                    gone[tier][key] = True
+            finally:
+                self._recording = False
             if self._sleeping:
                 self._sleeping = False
                 _ring(self._bell)
