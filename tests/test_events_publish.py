@@ -131,7 +131,7 @@ def _publish_rounds(pub: KVEventPublisher, rounds: range, per: int = 20) -> None
 
 def test_subscribers_that_lose_batches_resync_to_the_same_inventory(publisher):
     # Both ends queue at most 4 messages per subscriber, so a consumer that falls behind loses batches.
-    pub = publisher(ring_batches=100_000, hwm=4, max_batch_events=1)  # one batch per change
+    pub = publisher(ring_batches=100_000, hwm=4)  # one batch per change (each fits max_batch_events)
     full = KVEventSubscriber(pub.endpoint, pub.replay_endpoint).start()
     assert full.wait_for(-1)
     _publish_rounds(pub, range(0, 50))
@@ -157,7 +157,7 @@ def test_subscribers_that_lose_batches_resync_to_the_same_inventory(publisher):
 
 
 def test_replay_older_than_the_ring_sends_a_snapshot(publisher):
-    pub = publisher(ring_batches=8, max_batch_events=1)
+    pub = publisher(ring_batches=8)
     _publish_rounds(pub, range(0, 30))
     assert pub.flush()
     sub = KVEventSubscriber(pub.endpoint, pub.replay_endpoint).start()
@@ -206,3 +206,22 @@ def test_bad_config_names_the_field():
         PublisherConfig(ring_batches=0)
     with pytest.raises(ValueError, match="events.topic"):
         PublisherConfig(topic="a@b")
+
+
+def test_a_change_larger_than_max_batch_events_goes_out_as_consecutive_batches(publisher):
+    pub = publisher(max_batch_events=3)
+    tap = Tap(pub.endpoint)
+    tap.ready(pub)
+    stored = [(f"s{i}".encode(), L2) for i in range(5)]
+    pub.on_tier_change(stored, [(b"r0", L1), (b"r1", L1)])
+    assert pub.flush()
+    tap.drain()
+    seqs = [seq for _, seq, _ in tap.got]
+    assert seqs == list(range(seqs[0], seqs[0] + 3))
+    assert [[(type(e).__name__, e.medium, e.block_hashes) for e in batch.events] for _, _, batch in tap.got] == [
+        [("BlockRemoved", "L1", [b"r0", b"r1"]), ("BlockStored", "L2", [b"s0"])],
+        [("BlockStored", "L2", [b"s1", b"s2", b"s3"])],
+        [("BlockStored", "L2", [b"s4"])],
+    ]
+    assert pub.inventory.holds() == {f"s{i}".encode(): 1 << L2 for i in range(5)}
+    tap.close()

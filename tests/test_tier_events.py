@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import random
+import sys
 import threading
+
+import pytest
 
 from _kv import prompt, save_prompt
 from tierkv.events import TierEvents
@@ -98,20 +102,102 @@ def test_a_listener_may_call_the_store_and_its_errors_are_counted(make_store, la
 def test_a_batch_is_the_net_change():
     events = TierEvents()
     got = []
-    gate = threading.Event()
-    events.add_listener(lambda s, r: (gate.wait(10), got.append((s, r))))
-    events.stored(b"x", L1)          # the first batch: delivery blocks on the gate
-    while not events._delivering:
-        threading.Event().wait(0.01)
-    events.stored(b"a", L1)
-    events.removed(b"a", L1)         # stored then removed: nothing
-    events.removed(b"b", L2)
-    events.stored(b"b", L2)          # removed then stored: nothing
-    events.removed(b"c", L1)
-    events.stored(b"c", L2)          # a demotion: both
-    events.stored(b"d", Tier.L4)
-    events.stored(b"d", Tier.L4)     # the same arrival twice: once
+    gate, entered = threading.Event(), threading.Event()
+    events.add_listener(lambda s, r: (entered.set(), gate.wait(10), got.append((s, r))))
+    with events.lock:
+        events.stored(b"x", L1)      # the first batch: delivery blocks on the gate
+    assert entered.wait(10)
+    with events.lock:                # recorders hold the lock a store passes in (here: its own)
+        events.stored(b"a", L1)
+        events.removed(b"a", L1)     # stored then removed: nothing
+        events.removed(b"b", L2)
+        events.stored(b"b", L2)      # removed then stored: nothing
+        events.removed(b"c", L1)
+        events.stored(b"c", L2)      # a demotion: both
+        events.stored(b"d", Tier.L4)
+        events.stored(b"d", Tier.L4)  # the same arrival twice: once
     gate.set()
     assert events.flush(10)
     events.close()
     assert got == [([(b"x", L1)], []), ([(b"c", L2), (b"d", Tier.L4)], [(b"c", L1)])]
+
+
+def test_a_by_tier_listener_gets_the_same_batches_as_key_lists(make_store, layout):
+    store = make_store(l1=4, l2=4, l3=16)
+    pairs, lists = Recorder(), []
+    store.add_tier_listener(pairs)
+    store.add_tier_listener(lambda s, r: lists.append((s, r)), by_tier=True)
+    for i in range(1, 4):
+        save_prompt(store, prompt(i, 4, layout))
+    store.flush()
+    assert len(lists) == len(pairs.batches) >= 1
+    for (stored, removed), (s, r) in zip(pairs.batches, lists):
+        assert len(s) == len(r) == 4  # L1..L4
+        assert stored == [(k, t) for t, keys in enumerate(s) for k in keys]
+        assert removed == [(k, t) for t, keys in enumerate(r) for k in keys]
+    assert pairs.net() == held_by_index(store)
+
+
+def test_records_racing_the_delivery_thread_lose_none():
+    # Thousands of batches swapped out while records keep coming (a GIL switch every microsecond):
+    # the listener's view must end equal to what was recorded.
+    events = TierEvents(window_s=0)
+    seen: set[tuple[bytes, int]] = set()
+
+    def apply(stored, removed):
+        for tier, keys in enumerate(removed):
+            seen.difference_update((k, tier) for k in keys)
+        for tier, keys in enumerate(stored):
+            seen.update((k, tier) for k in keys)
+
+    events.add_listener(apply, by_tier=True)
+    truth: set[tuple[bytes, int]] = set()
+    rng = random.Random(7)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(40_000):
+            item = (rng.randrange(64).to_bytes(2, "little"), rng.randrange(3))
+            with events.lock:
+                if item in truth:
+                    events.removed(*item)
+                    truth.discard(item)
+                else:
+                    events.stored(*item)
+                    truth.add(item)
+    finally:
+        sys.setswitchinterval(interval)
+    assert events.flush(10)
+    events.close()
+    assert events.batches > 100 and seen == truth
+
+
+def test_taking_a_batch_waits_for_the_record_being_written():
+    # The moment the lock-free swap guards: a recorder has read the batch (its flag is up) and is
+    # switched out before its write; the delivery thread must not hand that batch on without it.
+    events = TierEvents()
+    events._recording = True
+    batch = events._batch
+    taken = []
+    thread = threading.Thread(target=lambda: taken.append(events._take()))
+    thread.start()
+    thread.join(0.2)
+    assert thread.is_alive() and not taken
+    batch[0][0][b"late"] = True      # the recorder's write lands in the batch it read...
+    events._recording = False        # ...and its flag comes down
+    thread.join(5)
+    assert taken and taken[0] is batch and b"late" in taken[0][0][0]
+    assert events._batch is not batch and not events._pending()
+
+
+def test_a_bad_tier_raises_to_the_recorder_and_delivery_goes_on():
+    events = TierEvents()
+    got = []
+    events.add_listener(lambda s, r: got.append(s), by_tier=True)
+    with events.lock:
+        with pytest.raises(IndexError):
+            events.stored(b"k", 7)   # a programming error: raised, and the batch stays takeable
+        events.stored(b"k", 1)
+    assert events.flush(5)
+    events.close()
+    assert got == [[[], [b"k"], [], []]]

@@ -2,10 +2,15 @@
 
 The store records an event wherever a commit changes what a tier holds (the
 index adding or dropping a local tier, an L4 put landing); a demotion is a
-removal from one tier plus an arrival in another. Recording is a dict
-operation under the store's lock, and nothing at all when no listener is
-registered. A daemon thread hands the batches to the listeners with no store
-lock held, so a slow listener delays only later batches, never a lookup or a
+removal from one tier plus an arrival in another. Recording happens under the
+store's lock, which already serialises every commit: it is a dict operation
+or two on the pending batch (no lock of its own, no object per event), and
+nothing at all when no listener is registered. The first record after the
+delivery thread went idle wakes it. That thread ``tierkv-events`` lets the
+batch fill for ``window_s``, swaps in an empty one without taking any lock
+(a flag the recorder raises while it writes tells the thread when the old
+batch is complete), and hands it to the listeners, so neither a slow
+listener nor the delivery itself ever waits for, or holds up, a lookup or a
 save.
 
 A batch is a net change: a block stored into a tier and removed from it again
@@ -23,28 +28,50 @@ from collections.abc import Callable
 
 log = logging.getLogger("tierkv")
 
-TierListener = Callable[[list[tuple[bytes, int]], list[tuple[bytes, int]]], None]
-"""``listener(stored, removed)``: lists of ``(block key, tier)`` with ``tier`` a ``tierkv.index.Tier``."""
+TierListener = Callable[[list, list], None]
+"""``listener(stored, removed)``: lists of ``(block key, tier)`` (``tier`` the int of a
+``tierkv.index.Tier``), or with ``by_tier`` one list of keys per tier L1..L4."""
 
-_STORED, _REMOVED = True, False
-_COALESCE_S = 0.002  # how long the delivery thread lets a batch fill after its first event
+NUM_TIERS = 4  # L1..L4, the int values of tierkv.index.Tier
+WINDOW_S = 0.01  # how long a batch fills after its first record: one delivery per window, not per burst
+
+
+def _empty() -> tuple[dict[bytes, bool], ...]:
+    return tuple({} for _ in range(NUM_TIERS))
 
 
 class TierEvents:
     """Collects tier arrivals and departures and delivers them, batched, on its own thread.
 
-    ``stored``/``removed`` may be called from any thread (the store calls them
-    under its lock); they take this object's own small lock only when a
-    listener is registered. Listeners run one at a time on the thread
-    ``tierkv-events``; an exception one raises is counted in ``errors`` and
-    logged once, never seen by the store.
+    ``stored``/``removed`` must be called with ``lock`` held, so that no two
+    run at once (the store's lock, under which every commit runs; a
+    ``TierEvents`` made without one has its own, which callers then take).
+    They take no lock themselves and only release one, once per batch, to
+    wake the delivery thread, which never takes ``lock``. Listeners run one
+    at a time on the thread ``tierkv-events``; an exception one raises is
+    counted in ``errors`` and logged once, never seen by the store.
+    ``flush`` cuts the window short.
     """
 
-    def __init__(self) -> None:
-        self._listeners: tuple[TierListener, ...] = ()  # copy-on-write: read without the lock
-        self._cond = threading.Condition()
-        self._pending: dict[tuple[bytes, int], bool] = {}  # (key, tier) -> stored?, in arrival order
+    def __init__(self, lock: threading.RLock | None = None, window_s: float = WINDOW_S) -> None:
+        if not window_s >= 0:
+            raise ValueError(f"events.window_s: expected seconds >= 0, got {window_s!r}")
+        self.lock = lock if lock is not None else threading.RLock()
+        self.window_s = window_s
+        self._listeners: tuple[tuple[TierListener, bool], ...] = ()  # copy-on-write: read without the lock
+        self._cond = threading.Condition()  # listeners, flush, close
+        # The pending batch: per tier, keys stored / removed, in arrival order. Swapped whole (one
+        # attribute store) by the delivery thread; _recording is up while a recorder writes into it.
+        self._batch = (_empty(), _empty())
+        self._recording = False
+        # Two binary semaphores, held while nobody rings them (a raw lock is the cheapest wait there is):
+        # _bell wakes the idle thread at a batch's first record, _hurry ends a window early (flush, close).
+        self._bell, self._hurry = threading.Lock(), threading.Lock()
+        self._bell.acquire()
+        self._hurry.acquire()
+        self._sleeping = False  # the thread is (about to be) waiting on _bell
         self._delivering = False
+        self._flushing = 0
         self._closed = False
         self._thread: threading.Thread | None = None
         self.errors = 0
@@ -55,12 +82,13 @@ class TierEvents:
         """Whether anyone listens (the store skips building events when nobody does)."""
         return bool(self._listeners)
 
-    def add_listener(self, listener: TierListener) -> None:
-        """Deliver every later batch to ``listener`` (events before registration are not replayed)."""
+    def add_listener(self, listener: TierListener, by_tier: bool = False) -> None:
+        """Deliver every later batch to ``listener`` (events before registration are not replayed);
+        ``by_tier``: as two lists of 4 key lists (index = tier) instead of ``(key, tier)`` pairs."""
         with self._cond:
             if self._closed:
                 raise RuntimeError("tier events: the store is closed")
-            self._listeners = (*self._listeners, listener)
+            self._listeners = (*self._listeners, (listener, bool(by_tier)))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="tierkv-events", daemon=True)
                 self._thread.start()
@@ -68,73 +96,126 @@ class TierEvents:
     def remove_listener(self, listener: TierListener) -> None:
         """Stop delivering to ``listener``; unknown ones are ignored. A batch being delivered may still reach it."""
         with self._cond:
-            listeners = list(self._listeners)
-            if listener in listeners:
-                listeners.remove(listener)
-                self._listeners = tuple(listeners)
+            self._listeners = tuple(item for item in self._listeners if item[0] != listener)
 
     def stored(self, key: bytes, tier: int) -> None:
-        """``tier`` now holds ``key``."""
+        """``tier`` now holds ``key`` (a ``bytes`` block key). Caller holds ``lock``."""
         if self._listeners:
-            self._record(key, tier, _STORED)
+            self._recording = True  # before reading _batch: see _take
+            try:
+                new, gone = self._batch
+                if gone[tier].pop(key, None) is None:  # removed, then stored again: no change
+                    new[tier][key] = True
+            finally:  # (a bad tier raises to the caller; the delivery thread must not wait for it)
+                self._recording = False
+            if self._sleeping:  # the first record since the thread went idle (callers are serialised)
+                self._sleeping = False
+                _ring(self._bell)
 
     def removed(self, key: bytes, tier: int) -> None:
-        """``tier`` no longer holds ``key``."""
+        """``tier`` no longer holds ``key``. Caller holds ``lock``."""
         if self._listeners:
-            self._record(key, tier, _REMOVED)
+            self._recording = True
+            try:
+                new, gone = self._batch
+                if new[tier].pop(key, None) is None:  # stored, then removed again: no change
+                    gone[tier][key] = True
+            finally:
+                self._recording = False
+            if self._sleeping:
+                self._sleeping = False
+                _ring(self._bell)
 
-    def _record(self, key: bytes, tier: int, kind: bool) -> None:
-        item = (bytes(key), int(tier))
-        with self._cond:
-            before = self._pending.get(item)
-            if before is None:
-                wake = not self._pending  # one wake-up per batch, not per block
-                self._pending[item] = kind
-                if wake:
-                    self._cond.notify()
-            elif before != kind:  # stored then removed (or removed then stored) in one batch: no change
-                del self._pending[item]
+    def _pending(self) -> bool:
+        new, gone = self._batch
+        return any(new) or any(gone)
+
+    def _take(self) -> tuple[tuple[dict[bytes, bool], ...], tuple[dict[bytes, bool], ...]]:
+        """Swap in an empty batch and return the full one, complete.
+
+        Recorders are serialised (``lock``) and raise ``_recording`` before they
+        read ``_batch``; this thread replaces ``_batch`` before it reads the
+        flag. So a recorder that still holds the old batch has the flag up, and
+        once it is down every write to the old batch has been made. (This leans
+        on the GIL ordering attribute reads and writes across threads; a
+        free-threaded CPython would need a lock here.)
+        """
+        batch = self._batch
+        self._batch = (_empty(), _empty())
+        while self._recording:  # only when a GIL switch fell inside a record: let it finish
+            time.sleep(0)
+        return batch
 
     def flush(self, timeout: float | None = 10.0) -> bool:
-        """Wait until every event recorded so far has been delivered; False on timeout."""
+        """Wait until every event recorded so far has been delivered; False on timeout.
+        Not from a listener (it would wait for itself)."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._pending and not self._delivering, timeout)
+            self._flushing += 1
+            _ring(self._hurry)
+            try:
+                return self._cond.wait_for(lambda: not self._pending() and not self._delivering, timeout)
+            finally:
+                self._flushing -= 1
 
     def close(self) -> None:
         """Deliver what is pending, then stop the thread."""
         with self._cond:
             self._closed = True
-            self._cond.notify_all()
             thread = self._thread
+        _ring(self._hurry)
+        _ring(self._bell)
         if thread is not None:
             thread.join(timeout=10)
 
     def _run(self) -> None:
         while True:
-            with self._cond:
-                self._cond.wait_for(lambda: self._pending or self._closed)
-                if not self._pending and self._closed:
+            if not self._pending():
+                if self._closed:
                     return
-                closed = self._closed
-            if not closed:
-                # Let the rest of a burst (a save of many blocks, an eviction run) join this batch:
-                # waking per block costs the saving thread the GIL and this lock once per block.
-                time.sleep(_COALESCE_S)
-            with self._cond:
-                batch, self._pending = self._pending, {}
-                self._delivering = True
-                listeners = self._listeners
-            stored = [item for item, kind in batch.items() if kind]
-            removed = [item for item, kind in batch.items() if not kind]
-            for listener in listeners:
-                try:
-                    listener(stored, removed)
-                except Exception:  # a listener's bug must not stop the events
-                    self.errors += 1
-                    if self.errors == 1:
-                        log.warning("tierkv: tier listener %r failed; further failures are only counted "
-                                    "(tier events errors)", listener, exc_info=True)
+                # Set _sleeping, then look: a record made after the look sees the flag and rings.
+                self._sleeping = True
+                if not self._pending() and not self._closed:
+                    self._bell.acquire()
+                self._sleeping = False
+                continue  # (a ring left over from an earlier round only costs one more look)
+            self._hurry.acquire(False)  # drop a ring meant for a batch already gone (a flush while delivering)
+            if not (self._flushing or self._closed):
+                # Let the rest of a burst (a save of many blocks, an eviction run) join this batch.
+                self._hurry.acquire(timeout=self.window_s)
+            self._delivering = True  # before the swap: flush must never see neither pending nor delivering
+            listeners = self._listeners
+            new, gone = self._take()
+            self._deliver(listeners, [list(d) for d in new], [list(d) for d in gone])
             with self._cond:
                 self.batches += 1
                 self._delivering = False
-                self._cond.notify_all()
+                if self._flushing:
+                    self._cond.notify_all()
+
+    def _deliver(self, listeners, stored: list[list[bytes]], removed: list[list[bytes]]) -> None:
+        if not any(stored) and not any(removed):  # everything in the window netted out
+            return
+        pairs = None
+        for listener, by_tier in listeners:
+            if by_tier:
+                args = (stored, removed)
+            else:
+                if pairs is None:
+                    pairs = ([(k, t) for t, keys in enumerate(stored) for k in keys],
+                             [(k, t) for t, keys in enumerate(removed) for k in keys])
+                args = pairs
+            try:
+                listener(*args)
+            except Exception:  # a listener's bug must not stop the events
+                self.errors += 1
+                if self.errors == 1:
+                    log.warning("tierkv: tier listener %r failed; further failures are only counted "
+                                "(tier events errors)", listener, exc_info=True)
+
+
+def _ring(bell: threading.Lock) -> None:
+    """Release a binary semaphore; ringing one already rung changes nothing."""
+    try:
+        bell.release()
+    except RuntimeError:
+        pass

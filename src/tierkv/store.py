@@ -55,7 +55,7 @@ class TierKVStore:
                              disk_dir=cfg.l3.path if Tier.L3 in self.tiers else None) if cfg.cost.calibrate else None
         self.cost = CostModel.from_config(cfg.cost, layout.block_bytes, layout.block_size, measured)
         self.index = PrefixIndex(make_policies(cfg, self.tiers, self.cost), cfg.policy.half_life)
-        self.events = self.index.events = TierEvents()
+        self.events = self.index.events = TierEvents(self._lock)
         self.transfer = TransferEngine(device)
         self.mover = Mover(self.tiers, layout, self.transfer.io, self.transfer.d2h_sync, self._commit,
                            self._on_failure, lambda slot: self.outbox.block(slot))
@@ -319,12 +319,13 @@ class TierKVStore:
 
     # -- tier events, reporting -------------------------------------------------
 
-    def add_tier_listener(self, listener: TierListener) -> None:
+    def add_tier_listener(self, listener: TierListener, by_tier: bool = False) -> None:
         """Call ``listener(stored, removed)`` — lists of ``(block key, Tier)`` that arrived in / left a
         tier (L1-L3, and L4 arrivals when a put lands; a demotion is one of each) — with each batch of
         net changes from now on, on the ``tierkv-events`` thread with no store lock held (it may call
-        the store; it never delays a lookup or a save). Thread-safe; see ``events.py``."""
-        self.events.add_listener(listener)
+        the store, but not ``flush``; it never delays a lookup or a save). With ``by_tier`` each list
+        is 4 key lists, one per tier L1..L4 (no per-block tuples). Thread-safe; see ``events.py``."""
+        self.events.add_listener(listener, by_tier)
 
     def remove_tier_listener(self, listener: TierListener) -> None:
         """Stop calling ``listener`` (unknown ones are ignored). Thread-safe."""

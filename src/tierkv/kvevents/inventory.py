@@ -3,6 +3,8 @@
 ``Inventory`` applies decoded ``KVEventBatch`` es (removals, stores, clears)
 to a map block key -> tier bitmask, and answers the router's question: how
 many leading blocks of a prompt this node holds, in which tier.
+``TierKeySets`` is the publisher's side: a set of keys per tier, updated a
+whole event at a time, read for snapshots.
 
 Thread-safety: one writer (the subscriber thread) and any number of readers.
 Readers see each key's mask as of some batch (single dict operations are
@@ -83,4 +85,40 @@ class Inventory:
             if not mask:
                 break
             out.append(_FASTEST[mask])
+        return out
+
+
+class TierKeySets:
+    """The keys each tier L1..L4 holds, as sets: what a publisher sent, for snapshots and status.
+
+    ``store``/``remove`` take a whole event's keys in one set operation. One
+    writer at a time (the publisher's lock); readers get copies, each tier's
+    taken in one step under the GIL (a reader racing a batch may see one
+    tier before it and another after).
+    """
+
+    def __init__(self) -> None:
+        self._sets: tuple[set[bytes], ...] = (set(), set(), set(), set())
+
+    def store(self, tier: int, keys: Iterable[bytes]) -> None:
+        self._sets[tier].update(keys)
+
+    def remove(self, tier: int, keys: Iterable[bytes]) -> None:
+        self._sets[tier].difference_update(keys)
+
+    def __len__(self) -> int:
+        """Distinct keys held in any tier."""
+        return len(set().union(*self._sets))
+
+    def by_tier(self) -> list[list[bytes]]:
+        """The keys each tier holds, L1..L4 (copies)."""
+        return [list(s) for s in self._sets]
+
+    def holds(self) -> dict[bytes, int]:
+        """key -> tier mask, as ``Inventory.holds`` (for tests and status)."""
+        out: dict[bytes, int] = {}
+        for tier, keys in enumerate(self.by_tier()):
+            bit = 1 << tier
+            for key in keys:
+                out[key] = out.get(key, 0) | bit
         return out

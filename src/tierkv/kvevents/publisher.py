@@ -15,18 +15,20 @@ Wire (what vLLM's ``ZmqEventPublisher`` sends, so its consumers read it):
   holds — numbered with the last published ``seq``, so applying it and then
   every later batch gives the node's inventory.
 
-Threading: ``publish`` and ``on_tier_change`` (the store listener) only hand
-the change to a queue and ring an inproc socket; one thread
-``tierkv-kv-events`` owns both ZMQ sockets, numbers and encodes batches,
-keeps the ring and the inventory, and answers replays. Nothing here takes the
-store's lock or waits for a consumer; a slow subscriber loses messages at the
-PUB high-water mark and resyncs through replay.
+Threading: ``on_tier_change`` (the store listener, called on the store's
+``tierkv-events`` thread once per net batch) numbers, encodes and sends the
+batch itself, under this publisher's own lock, with ``NOBLOCK``: a batch is
+one encode and one send, so handing it to another thread would cost more
+than doing it. The lock also guards the ring and the per-tier key sets. One
+thread ``tierkv-kv-replay`` owns the ROUTER socket and answers replays,
+taking the lock only to copy what it sends. Nothing here takes the store's
+lock or waits for a consumer; a slow subscriber loses messages at the PUB
+high-water mark and resyncs through replay.
 """
 
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import threading
 import time
@@ -37,15 +39,15 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from tierkv.kvevents.inventory import Inventory
+from tierkv.kvevents.inventory import TierKeySets
 from tierkv.kvevents.wire import (
     END_SEQ, MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, seq_bytes, seq_of,
 )
 
 log = logging.getLogger("tierkv")
 
-Change = tuple[list[tuple[bytes, int]], list[tuple[bytes, int]]]
 _SNAPSHOT_CHUNK = 65536  # keys per BlockStored in a snapshot
+_MORE, _LAST = int(zmq.SNDMORE | zmq.NOBLOCK), int(zmq.NOBLOCK)
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class PublisherConfig:
     block_size: int = 16
     ring_batches: int = 10_000
     hwm: int = 100_000
-    max_batch_events: int = 4096
+    max_batch_events: int = 4096  # block keys one batch carries at most; a larger change is split
 
     def __post_init__(self) -> None:
         for name in ("endpoint", "replay_endpoint"):
@@ -77,8 +79,9 @@ class KVEventPublisher:
     """Numbers, encodes and sends one store's tier changes; serves replays. Thread-safe to feed.
 
     Sockets are bound at construction (``endpoint`` / ``replay_endpoint``
-    give the bound addresses, port 0 picking a free one). ``close`` stops the
-    thread after sending what is queued.
+    give the bound addresses, port 0 picking a free one). ``inventory`` holds
+    the keys each tier holds as published (for snapshots and status).
+    ``close`` stops the replay thread and closes the sockets.
     """
 
     def __init__(self, config: PublisherConfig | None = None) -> None:
@@ -99,32 +102,37 @@ class KVEventPublisher:
             raise OSError(f"events: cannot bind {cfg.endpoint} / {cfg.replay_endpoint}: {exc}") from exc
         self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
-        wake = f"inproc://tierkv-kv-events-{self.instance_id}"
-        self._wake_rx = self._ctx.socket(zmq.PULL)
-        self._wake_rx.bind(wake)
-        self._wake_tx = self._ctx.socket(zmq.PUSH)
-        self._wake_tx.connect(wake)
-        self._wake_lock = threading.Lock()
-        self._queue: collections.deque[Change | None] = collections.deque()
+        stop = f"inproc://tierkv-kv-replay-{self.instance_id}"
+        self._stop_rx = self._ctx.socket(zmq.PULL)
+        self._stop_rx.bind(stop)
+        self._stop_tx = self._ctx.socket(zmq.PUSH)
+        self._stop_tx.connect(stop)
+        self._lock = threading.Lock()  # the PUB socket, the sequence, the ring, the inventory
+        self._encode = msgspec.msgpack.Encoder().encode
         self._ring: collections.deque[tuple[int, bytes]] = collections.deque(maxlen=cfg.ring_batches)
-        self._seq = itertools.count()
         self.last_seq = -1
-        self.inventory = Inventory()
+        self.inventory = TierKeySets()
         self.batches = self.events = self.replays = self.snapshots = 0
-        self._idle = threading.Condition()
-        self._queued = self._done = 0  # changes handed in / sent (flush waits for the one to reach the other)
-        self._thread = threading.Thread(target=self._run, name="tierkv-kv-events", daemon=True)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="tierkv-kv-replay", daemon=True)
         self._thread.start()
 
     # -- producers (any thread) ------------------------------------------------------
 
-    def on_tier_change(self, stored: list[tuple[bytes, int]], removed: list[tuple[bytes, int]]) -> None:
-        """A ``TierListener``: queue one store batch (removals apply before stores). Never blocks."""
-        if stored or removed:
-            with self._wake_lock:
-                self._queued += 1
-                self._queue.append((stored, removed))
-            self._ring_bell()
+    def on_tier_change(self, stored: Sequence[tuple[bytes, int]], removed: Sequence[tuple[bytes, int]]) -> None:
+        """A ``TierListener``: publish one net change of ``(key, tier)`` pairs now (removals before
+        stores), as one batch or, past ``max_batch_events`` keys, several. Never waits for a consumer;
+        a no-op once closed."""
+        self.on_tier_keys(_by_tier(stored), _by_tier(removed))
+
+    def on_tier_keys(self, stored: Sequence[Sequence[bytes]], removed: Sequence[Sequence[bytes]]) -> None:
+        """``on_tier_change`` with the keys already grouped, one list per tier L1..L4 (the ``by_tier``
+        listener ``attach`` registers: no per-block work before the encode)."""
+        groups = [(BlockRemoved, tier, keys) for tier, keys in enumerate(removed) if keys]
+        groups += [(BlockStored, tier, keys) for tier, keys in enumerate(stored) if keys]
+        if groups:
+            for batch in _batches(groups, self.config.max_batch_events):
+                self._publish(batch)
 
     def attach(self, store) -> None:
         """Publish ``store``'s tier changes from now on, starting with what it holds now.
@@ -133,107 +141,68 @@ class KVEventPublisher:
         (L1–L3) as stores, so no change falls between the two; a block changed
         in between appears twice, which applying events in order absorbs.
         """
-        store.add_tier_listener(self.on_tier_change)
+        store.add_tier_listener(self.on_tier_keys, by_tier=True)
         with store._lock:  # the index is read under the store's own lock, once, at attach
-            held = [(e.key, t) for e in store.index.entries() for t in range(3) if e.mask >> t & 1]
-        self.on_tier_change(held, [])
+            held = [[e.key for e in store.index.entries() if e.mask >> t & 1] for t in range(3)]
+        self.on_tier_keys(held, [])
 
     def flush(self, timeout: float = 10.0) -> bool:
-        """Wait until everything queued so far has been sent; False on timeout."""
-        target = self._queued
-        with self._idle:
-            return self._idle.wait_for(lambda: self._done >= target, timeout)
+        """Wait until every change handed in so far has been sent (one being sent now); False on timeout."""
+        if not self._lock.acquire(timeout=timeout):
+            return False
+        self._lock.release()
+        return True
 
     def close(self) -> None:
-        """Send what is queued, stop the thread, close the sockets. Idempotent."""
-        if self._thread.is_alive():
-            with self._wake_lock:
-                self._queue.append(None)
-            self._ring_bell()
-            self._thread.join(timeout=10)
-        for sock in (self._pub, self._replay, self._wake_rx, self._wake_tx):
+        """Stop the replay thread, close the sockets. Idempotent; later changes are dropped."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._stop_tx.send(b"")
+        self._thread.join(timeout=10)
+        for sock in (self._pub, self._replay, self._stop_rx, self._stop_tx):
             sock.close(linger=0)
 
-    def _ring_bell(self) -> None:
-        with self._wake_lock:
-            try:
-                self._wake_tx.send(b"", zmq.NOBLOCK)
-            except zmq.Again:  # the thread is far behind and already has a bell to answer
-                pass
-            except zmq.ZMQError:  # closed
+    def _publish(self, groups: list[tuple[type, int, list[bytes]]]) -> None:
+        size = self.config.block_size
+        events = [BlockStored(keys, None, [], size, None, MEDIA[tier], None) if kind is BlockStored
+                  else BlockRemoved(keys, MEDIA[tier]) for kind, tier, keys in groups]
+        with self._lock:
+            if self._closed:
+                return
+            payload = self._encode(KVEventBatch(time.time(), events))
+            for kind, tier, keys in groups:
+                if kind is BlockStored:
+                    self.inventory.store(tier, keys)
+                else:
+                    self.inventory.remove(tier, keys)
+            self.last_seq = seq = self.last_seq + 1
+            self._ring.append((seq, payload))
+            self.batches += 1
+            self.events += len(events)
+            send = self._pub.send
+            try:  # three sends with int flags: send_multipart's checks and IntFlag arithmetic cost more
+                send(self.topic, _MORE)
+                send(seq_bytes(seq), _MORE)
+                send(payload, _LAST)
+            except zmq.Again:  # PUB never blocks at HWM, but be explicit: a lost message is resynced
                 pass
 
-    # -- the publisher thread -----------------------------------------------------------
+    # -- the replay thread ------------------------------------------------------------
 
     def _run(self) -> None:
         poller = zmq.Poller()
-        poller.register(self._wake_rx, zmq.POLLIN)
+        poller.register(self._stop_rx, zmq.POLLIN)
         poller.register(self._replay, zmq.POLLIN)
-        encode = msgspec.msgpack.Encoder().encode
         while True:
-            ready = dict(poller.poll(1000))
-            if self._wake_rx in ready:
-                while self._wake_rx.poll(0):
-                    self._wake_rx.recv()
-            if self._replay in ready:
-                try:
-                    self._serve_replay()
-                except Exception:
-                    log.warning("tierkv: kv event replay failed", exc_info=True)
-            if not self._drain(encode):
+            ready = dict(poller.poll())
+            if self._stop_rx in ready:
                 return
-
-    def _drain(self, encode) -> bool:
-        """Send every queued change, coalesced into batches; False once ``close`` was asked."""
-        queue, limit = self._queue, self.config.max_batch_events
-        while queue:
-            events, n, changes, stop = [], 0, 0, False
-            while queue and n < limit:
-                change = queue.popleft()
-                if change is None:
-                    stop = True
-                    break
-                stored, removed = change
-                events.extend(self._events(stored, removed))
-                n += len(stored) + len(removed)
-                changes += 1
-            if events:
-                self._send(KVEventBatch(time.time(), events), encode)
-            with self._idle:
-                self._done += changes
-                self._idle.notify_all()
-            if stop:
-                return False
-        return True
-
-    def _events(self, stored: Sequence[tuple[bytes, int]], removed: Sequence[tuple[bytes, int]]) -> list:
-        out: list = []
-        for items, make in ((removed, self._removed), (stored, self._stored)):
-            by_tier: dict[int, list[bytes]] = {}
-            for key, tier in items:
-                by_tier.setdefault(int(tier), []).append(bytes(key))
-            out.extend(make(keys, tier) for tier, keys in sorted(by_tier.items()))
-        return out
-
-    def _stored(self, keys: list[bytes], tier: int) -> BlockStored:
-        return BlockStored(keys, None, [], self.config.block_size, None, MEDIA[tier], None)
-
-    @staticmethod
-    def _removed(keys: list[bytes], tier: int) -> BlockRemoved:
-        return BlockRemoved(keys, MEDIA[tier])
-
-    def _send(self, batch: KVEventBatch, encode) -> None:
-        seq = next(self._seq)
-        payload = encode(batch)
-        self.inventory.apply(batch.events)
-        self._ring.append((seq, payload))
-        self.last_seq = seq
-        self.batches += 1
-        self.events += len(batch.events)
-        try:
-            self._pub.send_multipart((self.topic, seq_bytes(seq), payload), zmq.NOBLOCK)
-        except zmq.Again:  # PUB never blocks at HWM, but be explicit: a lost message is resynced
-            pass
+            try:
+                self._serve_replay()
+            except Exception:
+                log.warning("tierkv: kv event replay failed", exc_info=True)
 
     def _serve_replay(self) -> None:
         while self._replay.poll(0):
@@ -243,20 +212,53 @@ class KVEventPublisher:
                 continue
             client, start = frames[0], seq_of(frames[2])
             self.replays += 1
-            ring = self._ring
-            if self.last_seq >= 0 and start <= self.last_seq and (not ring or start < ring[0][0]):
-                self._send_snapshot(client)
-            else:
-                for seq, payload in ring:
-                    if seq >= start:
-                        self._replay.send_multipart((client, b"", self.topic, seq_bytes(seq), payload))
+            with self._lock:
+                ring, last = self._ring, self.last_seq
+                if last >= 0 and start <= last and (not ring or start < ring[0][0]):
+                    snapshot, answer = (last, self.inventory.by_tier()), []
+                else:
+                    snapshot, answer = None, [(seq, payload) for seq, payload in ring if seq >= start]
+            if snapshot is not None:
+                self._send_snapshot(client, *snapshot)
+            for seq, payload in answer:
+                self._replay.send_multipart((client, b"", self.topic, seq_bytes(seq), payload))
             self._replay.send_multipart((client, b"", self.topic, seq_bytes(END_SEQ), b""))
 
-    def _send_snapshot(self, client: bytes) -> None:
+    def _send_snapshot(self, client: bytes, seq: int, by_tier: list[list[bytes]]) -> None:
         self.snapshots += 1
+        size = self.config.block_size
         events: list = [AllBlocksCleared()]
-        for tier, keys in enumerate(self.inventory.by_tier()):
+        for tier, keys in enumerate(by_tier):
             for i in range(0, len(keys), _SNAPSHOT_CHUNK):
-                events.append(self._stored(keys[i:i + _SNAPSHOT_CHUNK], tier))
+                events.append(BlockStored(keys[i:i + _SNAPSHOT_CHUNK], None, [], size, None, MEDIA[tier], None))
         payload = msgspec.msgpack.encode(KVEventBatch(time.time(), events))
-        self._replay.send_multipart((client, b"", self.topic, seq_bytes(self.last_seq), payload))
+        self._replay.send_multipart((client, b"", self.topic, seq_bytes(seq), payload))
+
+
+def _by_tier(items: Sequence[tuple[bytes, int]]) -> list[list[bytes]]:
+    """The keys of ``items`` per tier L1..L4, in order."""
+    out: list[list[bytes]] = [[] for _ in MEDIA]
+    for key, tier in items:
+        out[tier].append(key)
+    return out
+
+
+def _batches(groups: list[tuple[type, int, list[bytes]]], limit: int) -> list[list[tuple[type, int, list[bytes]]]]:
+    """Pack ``groups`` in order into batches of at most ``limit`` keys, splitting a group that does not fit."""
+    out: list[list] = [[]]
+    room = limit
+    for kind, tier, keys in groups:
+        if len(keys) <= room:  # the common case: the whole change fits one batch
+            out[-1].append((kind, tier, keys))
+            room -= len(keys)
+            continue
+        at = 0
+        while at < len(keys):
+            if not room:
+                out.append([])
+                room = limit
+            part = keys[at:at + room]
+            out[-1].append((kind, tier, part))
+            at += len(part)
+            room -= len(part)
+    return out

@@ -76,9 +76,9 @@ def seq_of(frame: bytes) -> int:
     return int.from_bytes(frame, "big", signed=True)
 
 
+_TIER_OF = {medium: tier for tier, medium in enumerate(MEDIA)}
+
+
 def tier_of(medium: str | None) -> int | None:
     """The tier a ``medium`` names, or None for a medium tierkv does not publish."""
-    try:
-        return MEDIA.index(medium)
-    except ValueError:
-        return None
+    return _TIER_OF.get(medium)
