@@ -138,15 +138,7 @@ class PrefixIndex:
 
     def match(self, keys: Sequence[bytes]) -> list[int]:
         """Fastest local tier of each block of the longest cached prefix of ``keys``."""
-        get = self._entries.get
-        out: list[int] = []
-        append = out.append
-        for key in keys:
-            entry = get(key)
-            if entry is None:
-                break
-            append(entry.best)
-        return out
+        return [entry.best for entry in self.match_entries(keys)]
 
     # -- membership ---------------------------------------------------------
 
