@@ -10,6 +10,7 @@ import torch
 from _kv import LAYOUT, ODD_LAYOUT, block_for, prompt, same_bytes, save_prompt
 from _prom import families, value
 from tierkv.index import Tier
+from tierkv.layout import KVLayout
 from tierkv.store import OutOfBlocks
 
 L1, L2, L3 = Tier.L1, Tier.L2, Tier.L3
@@ -92,6 +93,32 @@ def test_a_match_across_three_tiers_loads_every_block(make_store, layout):
     slots, result = load_into_l1(store, m)
     check_loaded_into_l1(store, m, result)
     store.release(m)
+
+
+SLICED = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=8)  # 4 KiB per layer
+
+
+def test_a_load_in_parts_says_when_each_slice_of_every_block_has_landed(make_store):
+    # Blocks in L2 and L3: after wait_part(p), slices 0..p of every block hold their bytes (L3 reads
+    # them slice by slice, L2 copies whole blocks); wait() then verifies as a plain load does.
+    store = make_store(l1=6, l2=2, l3=16, layout=SLICED)
+    tokens = prompt(9, 6, SLICED)
+    keys = store.hash(tokens)
+    assert store.put_blocks(keys, [block_for(k, SLICED) for k in keys]) == [True] * 6
+    m = store.lookup(tokens)
+    assert sorted(m.tiers) == [L2, L2, L3, L3, L3, L3]
+    dst = [store.l1.block(s) for s in store.allocate(6)]
+    part = SLICED.block_bytes // 4
+    handle = store.load(m, dst, parts=4)
+    for p in range(4):
+        handle.wait_part(p)
+        for d, k in zip(dst, m.keys):
+            got = d.view(torch.uint8).reshape(-1)[: (p + 1) * part]
+            assert torch.equal(got, block_for(k, SLICED).view(torch.uint8).reshape(-1)[: (p + 1) * part]), p
+    assert handle.wait(30).ok == [True] * 6
+    store.release(m)
+    with pytest.raises(ValueError, match="load: parts must be an integer >= 1, got 0"):
+        store.load(store.lookup(tokens), dst, parts=0)
 
 
 def test_prefix_sharing_k_blocks_matches_exactly_k(make_store, layout):

@@ -326,3 +326,52 @@ def test_reads_in_flight_verify_each_block_of_every_piece(tmp_path, read_depth):
 def test_read_depth_outside_its_range_is_refused_naming_the_field(tmp_path):
     with pytest.raises(ValueError, match=r"l3.read_depth: expected an integer in 1..64, got 0"):
         DiskTier(tmp_path / "l3", LAYOUT, 8, read_depth=0)
+
+
+SLICED = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=8)  # 4 KiB per layer
+
+
+@pytest.mark.parametrize("read_depth", [1, 4])
+def test_a_read_in_parts_lands_slice_by_slice_then_verifies_each_block(tmp_path, read_depth):
+    """get_in_parts reads slice 0 of every block first; progress(n) comes only once slices [0, n) of
+    every block are in place; the result is get's, a flipped byte costing exactly its block."""
+    hook = Hook()
+    tier = DiskTier(tmp_path / "l3", SLICED, 40, on_failure=hook, read_depth=read_depth)
+    keys = put_keys(tier, range(20), SLICED)
+    slot = {r.key: r.slot for r in tier.records()}
+    damaged = {2: 10, 11: SLICED.block_bytes - 5}  # block -> byte flipped (first and last slice)
+    for i, offset in damaged.items():
+        flip_byte(tier.path / "slots.bin", slot[keys[i]] * tier.stride + offset)
+    dst = [aligned_block(SLICED) for _ in keys]
+    part = SLICED.block_bytes // 4
+    seen, wrong = [], []
+
+    def progress(n: int) -> None:
+        seen.append(n)
+        for i, (d, k) in enumerate(zip(dst, keys)):
+            got = d.view(torch.uint8).view(-1)[: n * part]
+            want = block_for(k, SLICED).view(torch.uint8).view(-1)[: n * part]
+            if i not in damaged and not torch.equal(got, want):
+                wrong.append((n, i))
+
+    flags = tier.get_in_parts(keys, dst, 4, progress)
+    assert flags == [i not in damaged for i in range(len(keys))]
+    assert all(same_bytes(d, block_for(k, SLICED)) for i, (d, k) in enumerate(zip(dst, keys)) if flags[i])
+    assert seen == sorted(set(seen)) and all(1 <= n < 4 for n in seen) and wrong == []
+    assert hook.count("corrupt") == len(damaged)
+    assert tier.contains(keys) == flags  # the bad ones were removed
+    tier.close()
+
+
+def test_a_read_in_parts_that_cannot_be_cut_is_a_plain_get(tmp_path):
+    """Slices that are not whole O_DIRECT units (or a destination that is not page-aligned): the
+    same result as get, no progress before the end."""
+    tier = DiskTier(tmp_path / "l3", LAYOUT, 8)
+    keys = put_keys(tier, range(4))
+    seen = []
+    for parts, aligned in ((2, True), (1, True), (2, False)):
+        dst = [aligned_block(LAYOUT) if aligned else plain_block(LAYOUT) for _ in keys]
+        assert tier.get_in_parts(keys, dst, parts, seen.append) == [True] * 4
+        assert all(same_bytes(d, block_for(k, LAYOUT)) for d, k in zip(dst, keys))
+    assert seen == []
+    tier.close()

@@ -97,11 +97,13 @@ class Loader:
         # the IO thread, in order after the writes queued there.
         self._runner = {Tier.L2: transfer.copy, Tier.L3: transfer.io, Tier.L4: transfer.io}
 
-    def load(self, m: Match, dst: Sequence[int] | Sequence[torch.Tensor]) -> LoadHandle:
+    def load(self, m: Match, dst: Sequence[int] | Sequence[torch.Tensor], parts: int = 1) -> LoadHandle:
         positions = m.to_load
         if len(dst) != len(positions):
             raise ValueError(f"load: dst has {len(dst)} entries for {len(positions)} blocks to load")
-        handle = LoadHandle()
+        if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+            raise ValueError(f"load: parts must be an integer >= 1, got {parts!r}")
+        handle = LoadHandle(parts)
         if not positions:
             handle._finish(LoadResult([True] * m.num_blocks, 0.0, [False] * m.num_blocks))
             return handle
@@ -112,8 +114,18 @@ class Loader:
         by_tier: dict[int, list[int]] = {}
         for j, i in enumerate(positions):
             by_tier.setdefault(m.tiers[i], []).append(j)
+        landed = dict.fromkeys(by_tier, 0)  # per tier: slices of all its blocks landed
+        landed_lock = threading.Lock()
+
+        def part_landed(tier: int, n: int) -> None:
+            with landed_lock:
+                landed[tier] = max(landed[tier], n)
+                low = min(landed.values())
+            handle._part_landed(low)
+
         with self.lock:  # reads start in lock order with the writes other threads plan
-            futures = [self._start(m, tier, [positions[j] for j in js], [views[j] for j in js], ok)
+            futures = [self._start(m, tier, [positions[j] for j in js], [views[j] for j in js], ok,
+                                   parts, part_landed)
                        for tier, js in by_tier.items()]
 
         def finish() -> None:
@@ -140,11 +152,16 @@ class Loader:
             self.metrics.add("bytes", (TIER_NAMES[tier], "read"), m.tiers.count(tier) * self.block_bytes)
         return views
 
-    def _start(self, m: Match, tier: int, pos: list[int], views: list[torch.Tensor], ok: list[bool]):
+    def _start(self, m: Match, tier: int, pos: list[int], views: list[torch.Tensor], ok: list[bool],
+               parts: int = 1, part_landed: Callable[[int, int], None] | None = None):
         keys = [m.keys[i] for i in pos]
         # On a shared slab another process may free and reuse a slot while this copy waits (pins
         # are per process): every tier's get verifies what it copied.
-        fut = self._runner[tier](self.tiers[tier].get, keys, views)
+        in_parts = getattr(self.tiers[tier], "get_in_parts", None) if parts > 1 else None
+        if in_parts is not None:  # a tier that can say how far a read got (L3)
+            fut = self._runner[tier](in_parts, keys, views, parts, lambda n: part_landed(tier, n))
+        else:
+            fut = self._runner[tier](self.tiers[tier].get, keys, views)
 
         def record(f) -> None:
             try:
@@ -155,6 +172,8 @@ class Loader:
             for i, flag in zip(pos, flags):
                 ok[i] = flag
             self.metrics.add("bytes", (TIER_NAMES[tier], "read"), sum(flags) * self.block_bytes)
+            if part_landed is not None:
+                part_landed(tier, parts)
 
         fut.add_done_callback(record)
         return fut

@@ -208,7 +208,7 @@ class TierKVStore:
         with self._lock:
             self.l1.free(list(slots))
 
-    def load(self, m: Match, dst: Sequence[int] | Sequence[torch.Tensor]) -> LoadHandle:
+    def load(self, m: Match, dst: Sequence[int] | Sequence[torch.Tensor], parts: int = 1) -> LoadHandle:
         """Copy the matched blocks that are not in L1 into ``dst``, asynchronously.
 
         ``dst`` has one entry per position of ``m.to_load``: L1 slots the caller
@@ -216,8 +216,13 @@ class TierKVStore:
         tensors of the block shape (nothing adopted). The handle's result says
         per matched block whether it is usable; only the leading run counts
         (``num_ok``) — the caller recomputes from the first failure.
+        ``parts`` > 1: L3 reads each block in that many equal slices, slice 0
+        of every block first (its layers, as the block is layer-major), and
+        ``handle.wait_part(p)`` returns once slice p of every block has landed,
+        unverified, so a consumer can start on the first layers before the
+        last have arrived (it must still drop what ``wait()`` says is bad).
         """
-        return self.loader.load(m, dst)
+        return self.loader.load(m, dst, parts)
 
     def lend(self, m: Match) -> list[torch.Tensor] | None:
         """The matched blocks' bytes in place, when every one sits where it can be read without a

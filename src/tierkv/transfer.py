@@ -40,17 +40,39 @@ class LoadHandle:
     """Completion of one batched load.
 
     ``ready`` (a threading.Event) is set when every copy has landed in its L1
-    slot; ``wait()`` blocks for it and returns the LoadResult. Thread-safe.
+    slot; ``wait()`` blocks for it and returns the LoadResult. A load started
+    with ``parts`` > 1 also says how far it got: ``wait_part(p)`` returns once
+    slice p of every block has landed (or the load ended); those bytes are not
+    verified yet: only ``wait()``'s result says which blocks are good. Thread-safe.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, parts: int = 1) -> None:
         self.ready = threading.Event()
+        self.parts = parts
         self._result: LoadResult | None = None
         self._error: BaseException | None = None
+        self._landed = 0
+        self._cond = threading.Condition()
 
     def _finish(self, result: LoadResult | None, error: BaseException | None = None) -> None:
         self._result, self._error = result, error
-        self.ready.set()
+        with self._cond:
+            self._landed = self.parts
+            self.ready.set()
+            self._cond.notify_all()
+
+    def _part_landed(self, n: int) -> None:
+        """Slices ``[0, n)`` of every block have landed."""
+        with self._cond:
+            if n > self._landed:
+                self._landed = n
+                self._cond.notify_all()
+
+    def wait_part(self, p: int) -> None:
+        """Block until slice ``p`` of every block has landed, or the load has ended."""
+        with self._cond:
+            while self._landed <= p and not self.ready.is_set():
+                self._cond.wait()
 
     def done(self) -> bool:
         return self.ready.is_set()
