@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from tierkv.config import L1Config, StoreConfig, env_overrides, merge_settings
+from tierkv.connectors.vllm.cpus import parse_cpus
 
 LOAD_ASYNC = ("auto", "always", "never")
 KV_SPLITS = ("auto", "planes", "tokens")
+LOAD_BY_LAYER = ("auto", "never")
 _ENV_PREFIX = "TIERKV_VLLM_"
 
 
@@ -40,7 +42,11 @@ class VllmSettings:
     ``planes`` on CPU as vLLM's CPU backend does, ``tokens`` on CUDA).
     ``landing_blocks``: page-aligned CPU slots that loads land in, registered
     with the L4 client (``landing.py``); a load that finds no free run gets a
-    fresh tensor; 0 turns them off.
+    fresh tensor; 0 turns them off. ``load_by_layer``: ``auto`` writes a
+    synchronous load into a CPU cache layer by layer on a feed thread while the
+    forward runs (``layer_feed.py``); ``never`` writes it whole before the
+    forward. ``io_cpus``: the CPUs of the connector's threads (``cpus.py``:
+    ``auto`` = those vLLM's thread binding leaves free, ``inherit``, or a list).
     """
 
     load_async: str = "auto"
@@ -48,10 +54,17 @@ class VllmSettings:
     save_async: bool = True
     kv_split: str = "auto"
     landing_blocks: int = 256
+    load_by_layer: str = "auto"
+    io_cpus: str = "auto"
 
     def __post_init__(self) -> None:
         if self.load_async not in LOAD_ASYNC:
             raise ValueError(f"vllm.load_async: expected one of {list(LOAD_ASYNC)}, got {self.load_async!r}")
+        if self.load_by_layer not in LOAD_BY_LAYER:
+            raise ValueError(f"vllm.load_by_layer: expected one of {list(LOAD_BY_LAYER)}, got {self.load_by_layer!r}")
+        if not isinstance(self.io_cpus, str):
+            raise ValueError(f"vllm.io_cpus: expected 'auto', 'inherit' or a CPU list such as '2,3', got {self.io_cpus!r}")
+        parse_cpus(self.io_cpus)
         if self.kv_split not in KV_SPLITS:
             raise ValueError(f"vllm.kv_split: expected one of {list(KV_SPLITS)}, got {self.kv_split!r}")
         for name in ("save", "save_async"):

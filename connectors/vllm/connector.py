@@ -123,7 +123,7 @@ class TierKVConnector(KVConnectorBase_V1):
         self._worker.start_load_kv(self._get_connector_metadata())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Synchronous loads finish in ``start_load_kv``; nothing is left to wait for per layer."""
+        self._worker.wait_for_layer_load(layer_name)
 
     def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
         self._worker.save_kv_layer(layer_name, self._get_connector_metadata())

@@ -52,7 +52,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tierkv.connectors.vllm.config import VllmSettings
+from tierkv.connectors.vllm.cpus import pin_thread
 from tierkv.connectors.vllm.landing import LandingPool
+from tierkv.connectors.vllm.layer_feed import LayerFeed
 from tierkv.connectors.vllm.layout import cache_view, resolve_split
 from tierkv.connectors.vllm.metadata import LoadSpec, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.connectors.vllm.stats import TierKVStats, store_deltas
@@ -62,6 +64,21 @@ from tierkv.store import Match, TierKVStore
 from tierkv.transfer import LoadHandle, LoadResult
 
 log = logging.getLogger("tierkv.connectors.vllm")
+
+
+_MIN_SLICE = 512 << 10  # an L3 read slice: large enough that a disk queue stays efficient
+
+
+def read_parts(layout) -> int:
+    """How many slices of whole layers an L3 read of one block is cut into (1: not cut): the most
+    that divide the layers evenly, each at least ``_MIN_SLICE`` bytes and a whole O_DIRECT unit."""
+    layer_bytes = layout.block_bytes // layout.num_layers
+    best = 1
+    for parts in range(2, layout.num_layers + 1):
+        size = layer_bytes * (layout.num_layers // parts)
+        if layout.num_layers % parts == 0 and size >= _MIN_SLICE and size % 4096 == 0:
+            best = parts
+    return best
 
 
 @dataclass
@@ -104,7 +121,12 @@ class ConnectorWorker:
         self._reading: Counter[int] = Counter()
         self._report: set[str] = set()
         self._jobs: list[Future] = []
-        self._saver = ThreadPoolExecutor(1, thread_name_prefix="tierkv-vllm-save")
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="tierkv-vllm-save",
+                                         initializer=pin_thread, initargs=(settings.io_cpus,))
+        self._feed = LayerFeed(settings.io_cpus)
+        self._fed: list[_Load] | None = None  # this step's loads on the feed thread, until joined
+        self._by_layer = False  # set by register_kv_caches
+        self._parts = read_parts(self.layout)
         self.landing = LandingPool(store, settings.landing_blocks)
         # Without L2 and L3 the index tracks nothing the connector saved (L4 is untracked).
         self._listening = store.l2 is not None or store.l3 is not None
@@ -127,6 +149,7 @@ class ConnectorWorker:
         first = kv_caches[self.layer_names[0]] if self.layer_names[0] in kv_caches else next(iter(kv_caches.values()))
         split = resolve_split(self.settings.kv_split, first.device)
         self.kv = cache_view(kv_caches, self.layer_names, self.layout, split)
+        self._by_layer = self.settings.load_by_layer == "auto" and self.kv.device.type == "cpu"
 
     def bind(self, meta: TierKVMetadata) -> None:
         self._report |= meta.report_when_saved
@@ -134,13 +157,69 @@ class ConnectorWorker:
     # -- loads ----------------------------------------------------------------
 
     def start_load_kv(self, meta: TierKVMetadata) -> None:
-        """Start every load of this step; finish the synchronous ones before returning."""
+        """Start every load of this step. Synchronous ones are finished before returning, or, on a
+        CPU cache, handed to the feed thread, which writes them layer by layer while the forward
+        runs (``wait_for_layer_load``); they are accounted for when the step ends (``_join_feed``)."""
+        self._join_feed()
         pending = [self._start(spec) for spec in meta.loads]
+        fed = []
         for load in pending:
             if load.spec.is_async:
                 self._async[load.spec.req_id] = load
+            elif self._by_layer and load.num_found:
+                self._wait_for_readers(load.spec.block_ids[: load.num_found])
+                fed.append(load)
             else:
                 self._finish(load)
+        if fed:
+            self._fed = fed
+            self._feed.start(lambda ready: self._feed_job(fed, ready))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Return once this step's synchronous loads have written ``layer_name`` (at once if none)."""
+        if self._fed is not None and layer_name in self.layer_index:
+            self._feed.wait(self.layer_index[layer_name])
+
+    def _feed_job(self, fed: list[_Load], ready) -> list[int]:
+        """Feed thread: write the loads into vLLM's cache one layer at a time, announcing each;
+        returns each load's count of good leading blocks. A load read in slices (L3) is written
+        slice by slice as it lands, before it is verified: its blocks that then fail verification
+        are reported as errors, so vLLM drops this step's output for it and recomputes."""
+        sliced = [load.handle.parts > 1 for load in fed]
+        goods = [load.num_found if s else self._good(load) for load, s in zip(fed, sliced)]
+        ids = [torch.tensor(load.spec.block_ids[:good], dtype=torch.int64, device=self.kv.device)
+               for load, good in zip(fed, goods)]
+        per_part = len(self.layer_names) // self._parts
+        for layer in range(len(self.layer_names)):
+            for load, s, good, block_ids in zip(fed, sliced, goods, ids):
+                if s and layer % per_part == 0:
+                    load.handle.wait_part(layer // per_part)
+                if good:
+                    self._scatter(load, good, block_ids, layer, layer + 1)
+            ready(layer + 1)
+        return [self._good(load) if s else good for load, s, good in zip(fed, sliced, goods)]
+
+    def _join_feed(self) -> None:
+        """Account for the feed thread's loads once its job ends (vLLM's thread, after the forward).
+        A failed job, or a layer the forward did not wait for (its attention may have read the cache
+        before the feed wrote it), makes every block of those loads an error: vLLM drops the step's
+        output for those requests and recomputes them."""
+        if self._fed is None:
+            return
+        fed, self._fed = self._fed, None
+        goods, exc, waited = self._feed.join()
+        missing = len(self.layer_names) - len(waited)
+        if exc is not None:
+            log.warning("tierkv: layer-by-layer load failed (%r); vLLM recomputes those blocks", exc)
+            goods = [0] * len(fed)
+        elif missing:
+            log.warning("tierkv: vLLM waited for %d of %d layers of a layer-by-layer load; those blocks are "
+                        "recomputed and loads finish before the forward from now on",
+                        len(waited), len(self.layer_names))
+            self._by_layer = False
+            goods = [0] * len(fed)
+        for load, good in zip(fed, goods):
+            self._account(load, good)
 
     def _start(self, spec: LoadSpec) -> _Load:
         m = self.store.lookup_keys(spec.keys, pin=True)
@@ -153,32 +232,49 @@ class ConnectorWorker:
             return _Load(spec, m, LoadHandle.completed(LoadResult([True] * found)), None, found, lent)
         staging = self.landing.take(found)
         if found:
-            handle = self.store.load(sub, list(staging.unbind(0)))
+            # Fed layer by layer: L3 reads each block in slices of whole layers, first layers first.
+            parts = self._parts if self._by_layer and not spec.is_async else 1
+            handle = self.store.load(sub, list(staging.unbind(0)), parts)
         else:
             handle = LoadHandle.completed(LoadResult([]))
         return _Load(spec, m, handle, staging, found)
 
-    def _finish(self, load: _Load) -> None:
-        spec = load.spec
+    def _good(self, load: _Load) -> int:
+        """Wait for a load's reads; the length of its leading run of good blocks (a failure is a miss)."""
         try:
             ok = load.handle.wait().ok
         except Exception as exc:  # a failed load is a miss, never a failed request
-            log.warning("tierkv: load for %s failed (%r); vLLM recomputes it", spec.req_id, exc)
+            log.warning("tierkv: load for %s failed (%r); vLLM recomputes it", load.spec.req_id, exc)
             ok = [False] * load.num_found
         good = 0
         while good < load.num_found and ok[good]:
             good += 1
+        return good
+
+    def _scatter(self, load: _Load, good: int, ids: torch.Tensor, lo: int, hi: int) -> None:
+        """Write layers ``[lo, hi)`` of the load's first ``good`` blocks into vLLM blocks ``ids``."""
+        kv = self.kv[lo:hi]
+        if load.lent is not None:
+            for i, block in enumerate(load.lent[:good]):
+                # Synchronous on CUDA (the pin ends with release in _account, after this).
+                scatter_blocks(kv, ids[i:i + 1], block[lo:hi].unsqueeze(0).to(kv.device))
+        else:
+            # On CUDA, .to() returns once the host blocks are read (they are not pinned), so
+            # the landing slots can go back right after.
+            scatter_blocks(kv, ids, load.staging[:good, lo:hi].to(kv.device, non_blocking=True))
+
+    def _finish(self, load: _Load) -> None:
+        """Finish a load now: wait, write every layer, account."""
+        good = self._good(load)
         if good:
-            self._wait_for_readers(spec.block_ids[:good])
-            ids = torch.tensor(spec.block_ids[:good], dtype=torch.int64, device=self.kv.device)
-            if load.lent is not None:
-                for i, block in enumerate(load.lent[:good]):
-                    # Synchronous on CUDA (the pin ends with release below, right after).
-                    scatter_blocks(self.kv, ids[i:i + 1], block.unsqueeze(0).to(self.kv.device))
-            else:
-                # On CUDA, .to() returns once the host blocks are read (they are not pinned), so
-                # the landing slots can go back right after.
-                scatter_blocks(self.kv, ids, load.staging[:good].to(self.kv.device, non_blocking=True))
+            self._wait_for_readers(load.spec.block_ids[:good])
+            ids = torch.tensor(load.spec.block_ids[:good], dtype=torch.int64, device=self.kv.device)
+            self._scatter(load, good, ids, 0, len(self.layer_names))
+        self._account(load, good)
+
+    def _account(self, load: _Load, good: int) -> None:
+        """Hand back the load's slots and pins; errors, counters and the report for its first ``good``."""
+        spec = load.spec
         if load.staging is not None:
             self.landing.give_back(load.staging)
         self._errors.update(spec.block_ids[good:])
@@ -196,6 +292,7 @@ class ConnectorWorker:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """(requests whose delayed free may happen now, requests whose async load completed)."""
+        self._join_feed()
         recving = set()
         for req_id, load in list(self._async.items()):
             if load.handle.done():
@@ -225,6 +322,7 @@ class ConnectorWorker:
             log.warning("tierkv: catalog write failed (%r)", exc)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        self._join_feed()
         errors, self._errors = self._errors, set()
         return errors
 
@@ -253,6 +351,7 @@ class ConnectorWorker:
 
     def wait_for_save(self, meta: TierKVMetadata) -> None:
         """Store this step's full blocks: now, or on the save thread with ``save_async``."""
+        self._join_feed()
         if not meta.saves:
             return
         step = self._step_for(meta)
@@ -341,12 +440,14 @@ class ConnectorWorker:
 
     def handle_preemptions(self, meta: TierKVMetadata) -> None:
         """vLLM freed the preempted requests' blocks: finish saves that still read them."""
+        self._join_feed()
         with self._lock:
             busy = any(self._running[r] for r in meta.preempted)
         if busy:
             self._drain()
 
     def build_worker_meta(self) -> TierKVWorkerMetadata | None:
+        self._join_feed()
         with self._lock:
             if not (self._loads_done or self._saves_done or self._removed):
                 return None
@@ -355,6 +456,8 @@ class ConnectorWorker:
         return meta
 
     def shutdown(self) -> None:
+        self._join_feed()
+        self._feed.shutdown()
         self._drain()
         self._saver.shutdown(wait=True)
         if self._listening:

@@ -144,6 +144,8 @@ class Engine:
         cached = so.scheduled_cached_reqs
         before.update(zip(cached.req_ids, cached.num_computed_tokens))
         sampled = {}
+        for name in LAYERS:  # as vLLM's attention layers do before they read or write the cache
+            self.worker.wait_for_layer_load(name)
         for req_id, n in so.num_scheduled_tokens.items():
             req = self.scheduler.requests[req_id]
             start = before[req_id]

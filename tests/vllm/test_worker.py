@@ -12,18 +12,21 @@ import time
 
 import pytest
 import torch
-from harness import BLOCK, LAYERS
+from harness import BLOCK, LAYERS, no_pins
 
+from tierkv.connectors.vllm import worker as worker_module
 from tierkv.connectors.vllm.config import load_config
 from tierkv.connectors.vllm.layout import cache_view
 from tierkv.connectors.vllm.metadata import LoadSpec, SaveSpec, TierKVMetadata
+from tierkv.index import Tier
 
 
 def run_step(e, meta: TierKVMetadata) -> None:
     w = e.worker
     w.bind_connector_metadata(meta)
     w.start_load_kv(None)
-    for name in LAYERS:
+    for name in LAYERS:  # as vLLM's attention layers do
+        w.wait_for_layer_load(name)
         w.save_kv_layer(name, e.caches[name], None)
     w.wait_for_save()
     w.clear_connector_metadata()
@@ -81,6 +84,105 @@ def test_missing_blocks_are_reported_as_load_errors(engine):
     assert e.worker.build_connector_worker_meta().loads_done == {"z"}
 
 
+def layer_holds(e, layer: int, block_id: int, block: torch.Tensor) -> bool:
+    key_cache, value_cache = e.layer_kv(LAYERS[layer])
+    return (torch.equal(key_cache[block_id].transpose(0, 1), block[layer, 0])
+            and torch.equal(value_cache[block_id].transpose(0, 1), block[layer, 1]))
+
+
+@pytest.mark.parametrize("tier", ["l2", "l3", "l3-sliced"])
+def test_a_synchronous_load_is_written_layer_by_layer_beside_the_forward(engine, tier, monkeypatch):
+    # On a CPU cache start_load_kv hands the load to the feed thread and returns; each layer is in
+    # vLLM's cache once wait_for_layer_load(layer) returns, as the attention layer that asks needs.
+    # "l3-sliced": the L3 read comes in slices of whole layers (one layer each here), written as
+    # they land.
+    if tier == "l3-sliced":
+        monkeypatch.setattr(worker_module, "_MIN_SLICE", 4096)
+    e = engine(l2="0" if tier != "l2" else "16MiB", save_async=False)
+    assert e.worker._worker._parts == (len(LAYERS) if tier == "l3-sliced" else 1)
+    blocks = canonical(e, 3, seed=3)
+    keys = e.store.hash(list(range(3 * BLOCK)))
+    assert e.store.put_blocks(keys, list(blocks)) == [True] * 3
+    e.store.flush()
+    m = e.store.lookup_keys(keys)
+    assert m.tiers == [Tier.L2 if tier == "l2" else Tier.L3] * 3
+    e.store.release(m)
+    w = e.worker
+    w.bind_connector_metadata(TierKVMetadata(loads=[LoadSpec("f", keys, 0, [7, 3, 5], False)]))
+    w.start_load_kv(None)
+    for layer, name in enumerate(LAYERS):
+        w.wait_for_layer_load(name)
+        assert [layer_holds(e, layer, b, blocks[j]) for j, b in enumerate([7, 3, 5])] == [True] * 3
+    w.wait_for_save()
+    assert w.get_block_ids_with_load_errors() == set()
+    assert w.build_connector_worker_meta().loads_done == {"f"}
+    assert no_pins(e)
+    w.clear_connector_metadata()
+
+
+def test_a_sliced_l3_load_written_before_it_was_verified_reports_the_bad_block_and_after(engine, monkeypatch):
+    # Slices are written into vLLM's cache as they land, before the block is verified; a block that
+    # then fails its checksum, and every block after it, is reported, so vLLM recomputes from there.
+    monkeypatch.setattr(worker_module, "_MIN_SLICE", 4096)
+    e = engine(l2="0", save_async=False)
+    blocks = canonical(e, 3, seed=6)
+    keys = e.store.hash(list(range(3 * BLOCK)))
+    assert e.store.put_blocks(keys, list(blocks)) == [True] * 3
+    e.store.flush()
+    l3 = e.store.tiers[Tier.L3]
+    slot = {r.key: r.slot for r in l3.records()}
+    with open(l3.path / "slots.bin", "r+b") as fh:
+        fh.seek(slot[keys[1]] * l3.stride + e.store.layout.block_bytes - 3)  # the last layer's slice
+        byte = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+    run_step(e, TierKVMetadata(loads=[LoadSpec("s", keys, 0, [4, 5, 6], False)]))
+    assert e.worker.get_block_ids_with_load_errors() == {5, 6}
+    assert vllm_holds(e, 4, blocks[0])
+    assert e.worker.build_connector_worker_meta().loads_short == {"s": 1}
+    assert e.store.metrics.snapshot()["failures"].get("l3_corrupt") == 1
+    assert no_pins(e)
+
+
+def test_a_layer_the_forward_did_not_wait_for_makes_the_load_an_error_and_ends_layer_feeding(engine):
+    # If vLLM ran an attention layer without wait_for_layer_load, it may have read the cache before
+    # the feed wrote it: the load's blocks are reported (vLLM drops the output and recomputes), and
+    # later loads are written whole before start_load_kv returns.
+    e = engine(save_async=False)
+    blocks = canonical(e, 2, seed=4)
+    keys = e.store.hash(list(range(2 * BLOCK)))
+    assert e.store.put_blocks(keys, list(blocks)) == [True] * 2
+    w = e.worker
+    w.bind_connector_metadata(TierKVMetadata(loads=[LoadSpec("a", keys, 0, [1, 2], False)]))
+    w.start_load_kv(None)
+    w.wait_for_layer_load(LAYERS[0])  # the second layer is never waited for
+    w.wait_for_save()
+    assert w.get_block_ids_with_load_errors() == {1, 2}
+    assert w.build_connector_worker_meta().loads_short == {"a": 0}
+    w.clear_connector_metadata()
+    assert no_pins(e)
+    w.bind_connector_metadata(TierKVMetadata(loads=[LoadSpec("b", keys, 0, [4, 6], False)]))
+    w.start_load_kv(None)  # written whole: no wait_for_layer_load needed
+    assert vllm_holds(e, 4, blocks[0]) and vllm_holds(e, 6, blocks[1])
+    w.wait_for_save()
+    assert w.get_block_ids_with_load_errors() == set()
+    w.clear_connector_metadata()
+
+
+def test_load_by_layer_never_writes_the_load_before_start_load_kv_returns(engine):
+    e = engine(save_async=False, load_by_layer="never")
+    blocks = canonical(e, 2, seed=5)
+    keys = e.store.hash(list(range(2 * BLOCK)))
+    assert e.store.put_blocks(keys, list(blocks)) == [True] * 2
+    w = e.worker
+    w.bind_connector_metadata(TierKVMetadata(loads=[LoadSpec("n", keys, 0, [3, 8], False)]))
+    w.start_load_kv(None)
+    assert vllm_holds(e, 3, blocks[0]) and vllm_holds(e, 8, blocks[1])
+    w.wait_for_save()
+    assert w.get_block_ids_with_load_errors() == set()
+    w.clear_connector_metadata()
+
+
 def test_register_refuses_an_unknown_layout(engine):
     e = engine()
     layout = e.store.layout
@@ -122,6 +224,9 @@ def test_config_layers_extra_config_and_env():
     ({}, {"TIERKV_VLLM_COLOR": "red"}, "TIERKV_VLLM_COLOR: unknown setting vllm.color"),
     ({"vllm": {"landing_blocks": -1}}, {}, "vllm.landing_blocks: expected an integer >= 0, got -1"),
     ({}, {"TIERKV_VLLM_LANDING_BLOCKS": "lots"}, "vllm.landing_blocks: expected an integer >= 0, got 'lots'"),
+    ({"vllm": {"load_by_layer": "yes"}}, {}, "vllm.load_by_layer: expected one of ['auto', 'never'], got 'yes'"),
+    ({"vllm": {"io_cpus": "1-"}}, {}, "vllm.io_cpus: expected 'auto', 'inherit' or a CPU list"),
+    ({}, {"TIERKV_VLLM_IO_CPUS": "3-1"}, "vllm.io_cpus: expected 'auto', 'inherit' or a CPU list"),
 ])
 def test_config_errors_name_the_field(extra, env, message):
     with pytest.raises(ValueError, match=re.escape(message)):
