@@ -59,7 +59,7 @@ from tierkv.connectors.vllm.layout import cache_view, resolve_split
 from tierkv.connectors.vllm.metadata import LoadSpec, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.connectors.vllm.stats import TierKVStats, store_deltas
 from tierkv.metrics import TIER_NAMES
-from tierkv.kernels import gather_blocks, scatter_blocks
+from tierkv.kernels import gather_blocks, scatter_block_list, scatter_blocks
 from tierkv.store import Match, TierKVStore
 from tierkv.transfer import LoadHandle, LoadResult
 
@@ -255,9 +255,9 @@ class ConnectorWorker:
         """Write layers ``[lo, hi)`` of the load's first ``good`` blocks into vLLM blocks ``ids``."""
         kv = self.kv[lo:hi]
         if load.lent is not None:
-            for i, block in enumerate(load.lent[:good]):
-                # Synchronous on CUDA (the pin ends with release in _account, after this).
-                scatter_blocks(kv, ids[i:i + 1], block[lo:hi].unsqueeze(0).to(kv.device))
+            # One call for all the blocks (on CPU); synchronous on CUDA (the pin ends with release
+            # in _account, after this).
+            scatter_block_list(kv, ids, [block[lo:hi] for block in load.lent[:good]])
         else:
             # On CUDA, .to() returns once the host blocks are read (they are not pinned), so
             # the landing slots can go back right after.

@@ -119,6 +119,29 @@ def test_native_cpu_loop_matches_reference_bytes(native, name, dtype):
     assert torch.equal(raw2.view(torch.uint8), raw.view(torch.uint8))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_scatter_of_blocks_that_lie_anywhere_matches_the_reference(native, name, dtype):
+    # Blocks as an L2 slab lends them (separate slots, here in reverse order in one buffer), and a
+    # layer range of them: the same bytes as the reference scatter of the same blocks.
+    raw, kv, ids, blocks = make_case(*CASES[name], dtype=dtype)
+    raw2, kv2, _, _ = make_case(*CASES[name], dtype=dtype)
+    slab = torch.flip(blocks, [0]).contiguous()
+    lent = [slab[len(ids) - 1 - i] for i in range(len(ids))]
+    scatter_blocks_ref(kv, ids, blocks)
+    native.scatter_block_list(kv2, ids, lent)
+    assert torch.equal(raw2.view(torch.uint8), raw.view(torch.uint8))
+    layers = kv.shape[0]
+    if layers > 1:
+        raw3, kv3, _, _ = make_case(*CASES[name], dtype=dtype, seed=5)
+        raw4, kv4, _, _ = make_case(*CASES[name], dtype=dtype, seed=5)
+        scatter_blocks_ref(kv3[1:], ids, blocks[:, 1:])
+        kernels.scatter_block_list(kv4[1:], ids, [b[1:] for b in lent])
+        assert torch.equal(raw4.view(torch.uint8), raw3.view(torch.uint8))
+    with pytest.raises(ValueError, match=re.escape("blocks[1]: expected a contiguous")):
+        native.scatter_block_list(kv2, ids[:2], [lent[0], lent[1][..., :-1]])
+
+
 def test_cpu_dispatch_uses_the_native_loop_unless_forced(native, monkeypatch):
     calls = []
     monkeypatch.setattr(native, "_run", lambda *a, **k: calls.append(k["scatter"]))

@@ -12,6 +12,7 @@ on this package when imported.
 - ``write_kv(pool, layer, k, v, slot_mapping) -> None``
 - ``gather_blocks(kv, block_ids, blocks)`` / ``scatter_blocks(kv, block_ids, blocks) -> None``
   (an engine's per-layer cache seen as [L, num_blocks, 2, B, Hkv, D] <-> canonical blocks)
+- ``scatter_block_list(kv, block_ids, blocks: list)`` (canonical blocks that lie anywhere)
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from tierkv.kernels.reference import gather_blocks_ref, paged_attention_ref, sca
 ENV_VAR = "TIERKV_KERNELS"
 BACKENDS = ("triton", "reference")
 
-__all__ = ["BACKENDS", "ENV_VAR", "backend_for", "gather_blocks", "paged_attention", "scatter_blocks", "write_kv"]
+__all__ = ["BACKENDS", "ENV_VAR", "backend_for", "gather_blocks", "paged_attention", "scatter_block_list",
+           "scatter_blocks", "write_kv"]
 
 
 def backend_for(device: torch.device) -> str:
@@ -126,3 +128,17 @@ def scatter_blocks(kv: torch.Tensor, block_ids: torch.Tensor, blocks: torch.Tens
     else:
         impl = scatter_blocks_ref
     impl(kv, block_ids, blocks)
+
+
+def scatter_block_list(kv: torch.Tensor, block_ids: torch.Tensor, blocks: list[torch.Tensor]) -> None:
+    """``kv[:, block_ids[i]] = blocks[i]`` for canonical blocks that are not one tensor (blocks read
+    in place from an L2 slab): on CPU one native call for all of them; elsewhere ``scatter_blocks``
+    per block (each copied to ``kv``'s device first). Same ownership and completion as
+    ``scatter_blocks``."""
+    if kv.device.type == "cpu" and not os.environ.get(ENV_VAR):
+        from tierkv.kernels import cpu_block_copy
+
+        cpu_block_copy.scatter_block_list(kv, block_ids, blocks)
+        return
+    for i, block in enumerate(blocks):
+        scatter_blocks(kv, block_ids[i:i + 1], block.unsqueeze(0).to(kv.device))
