@@ -37,7 +37,7 @@ TierListener = Callable[[list, list], None]
 by every listener (and a publisher keeps them for its snapshots): read them, never change them."""
 
 NUM_TIERS = 4  # L1..L4, the int values of tierkv.index.Tier
-WINDOW_S = 0.01  # how long a batch fills after its first record: one delivery per window, not per burst
+WINDOW_S = 0.025  # how long a batch fills after its first record: one delivery per window, not per burst
 
 
 def _empty() -> tuple[dict[bytes, bool], ...]:
