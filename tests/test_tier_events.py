@@ -80,6 +80,7 @@ def test_a_blocked_listener_delays_no_lookup_or_save(make_store, layout):
     m = store.lookup_keys(keys)
     assert m.tiers == [L1] * 4
     store.release(m)
+    assert not store.events.flush(0.2)  # the stuck batch: a flush times out rather than hang
     gate.set()
     assert store.events.flush(10)
 
@@ -235,3 +236,26 @@ def test_a_bad_tier_raises_to_the_recorder_and_delivery_goes_on():
     assert events.flush(5)
     events.close()
     assert got == [[[], [b"k"], [], []]]
+
+
+def test_flushes_from_many_threads_each_see_what_they_recorded_delivered():
+    events = TierEvents()
+    seen: set[bytes] = set()
+    events.add_listener(lambda s, r: seen.update(k for keys in s for k in keys), by_tier=True)
+    failures = []
+
+    def worker(w: int) -> None:
+        for i in range(200):
+            key = f"{w}-{i}".encode()
+            with events.lock:
+                events.stored(key, L2)
+            if not events.flush(10) or key not in seen:
+                failures.append(key)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    events.close()
+    assert not failures and len(seen) == 800

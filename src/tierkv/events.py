@@ -63,7 +63,7 @@ class TierEvents:
         self.lock = lock if lock is not None else threading.RLock()
         self.window_s = window_s
         self._listeners: tuple[tuple[TierListener, bool], ...] = ()  # copy-on-write: read without the lock
-        self._cond = threading.Condition()  # listeners, flush, close
+        self._admin = threading.Lock()  # listeners, the flush count, close
         # The pending batch: per tier, keys stored / removed, in arrival order. Swapped whole (one
         # attribute store) by the delivery thread; _recording is up while a recorder writes into it.
         self._batch = (_empty(), _empty())
@@ -71,7 +71,11 @@ class TierEvents:
         self._alarm = Alarm()
         self._armed = False  # the alarm is set for the pending batch (cleared by the thread before a swap)
         self._delivering = False
-        self._flushing = 0
+        self._flushing = 0  # threads in flush (changed under _admin)
+        # A binary semaphore, held while nobody rings it: the thread rings it after a delivery while
+        # anyone flushes (a raw lock: one wake for the flusher, where a Condition took three switches).
+        self._done = threading.Lock()
+        self._done.acquire()
         self._closed = False
         self._thread: threading.Thread | None = None
         self.errors = 0
@@ -85,7 +89,7 @@ class TierEvents:
     def add_listener(self, listener: TierListener, by_tier: bool = False) -> None:
         """Deliver every later batch to ``listener`` (events before registration are not replayed);
         ``by_tier``: as two lists of 4 key lists (index = tier) instead of ``(key, tier)`` pairs."""
-        with self._cond:
+        with self._admin:
             if self._closed:
                 raise RuntimeError("tier events: the store is closed")
             self._listeners = (*self._listeners, (listener, bool(by_tier)))
@@ -95,7 +99,7 @@ class TierEvents:
 
     def remove_listener(self, listener: TierListener) -> None:
         """Stop delivering to ``listener``; unknown ones are ignored. A batch being delivered may still reach it."""
-        with self._cond:
+        with self._admin:
             self._listeners = tuple(item for item in self._listeners if item[0] != listener)
 
     def stored(self, key: bytes, tier: int) -> None:
@@ -148,20 +152,28 @@ class TierEvents:
 
     def flush(self, timeout: float | None = 10.0) -> bool:
         """Wait until every event recorded so far has been delivered; False on timeout.
-        Not from a listener (it would wait for itself)."""
-        with self._cond:
-            if not self._pending() and not self._delivering:
-                return True
-            self._flushing += 1
-            self._alarm.fire()
-            try:
-                return self._cond.wait_for(lambda: not self._pending() and not self._delivering, timeout)
-            finally:
+        Not from a listener (it would wait for itself). Any number of threads may flush at once."""
+        if not self._pending() and not self._delivering:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._admin:
+            self._flushing += 1  # before the look below: the thread, done, looks at this and rings _done
+        try:
+            while self._pending() or self._delivering:
+                self._alarm.fire()
+                left = -1 if deadline is None else deadline - time.monotonic()
+                if deadline is not None and left <= 0:
+                    return False
+                self._done.acquire(timeout=left)  # a ring left from earlier only costs one more look
+            return True
+        finally:
+            with self._admin:
                 self._flushing -= 1
+            _ring(self._done)  # pass the wake on: another flusher may be waiting for the same delivery
 
     def close(self) -> None:
         """Deliver what is pending, then stop the thread."""
-        with self._cond:
+        with self._admin:
             self._closed = True
             thread = self._thread
         self._alarm.fire()
@@ -179,14 +191,12 @@ class TierEvents:
             self._delivering = True  # before the swap: flush must never see neither pending nor delivering
             listeners = self._listeners
             new, gone = self._take()
-            delivered = self._deliver(listeners, new, gone)
-            with self._cond:
-                self.batches += delivered
-                self._delivering = False
-                if self._flushing:
-                    self._cond.notify_all()
-                if self._closed and not self._pending():
-                    return
+            self.batches += self._deliver(listeners, new, gone)  # (only this thread writes it)
+            self._delivering = False  # before the look at _flushing: see flush
+            if self._flushing:
+                _ring(self._done)
+            if self._closed and not self._pending():
+                return
 
     def _deliver(self, listeners, new: tuple[dict[bytes, bool], ...], gone: tuple[dict[bytes, bool], ...]) -> bool:
         """Hand one batch to every listener; False when it was empty (everything netted out)."""
@@ -210,3 +220,11 @@ class TierEvents:
                     log.warning("tierkv: tier listener %r failed; further failures are only counted "
                                 "(tier events errors)", listener, exc_info=True)
         return True
+
+
+def _ring(bell: threading.Lock) -> None:
+    """Release a binary semaphore; ringing one already rung changes nothing."""
+    try:
+        bell.release()
+    except RuntimeError:
+        pass
