@@ -13,13 +13,13 @@ put_ref / put_small           ``store.put_blocks`` of new blocks into a full L2 
                               bookkeeping is most of a put. Every block has contents of its own, and after
                               each put (off the clocks) every block is read back from L2 and compared.
 
-How a put is compared. Two stores of each kind, and each store against itself: two identical stores
-differ by several per cent between them, steadily through a run (where their L2 memory landed), so one
-store with events against another without cannot show 2 %. Each store's puts run in slots E O N O E O
-N O ...: in an E slot its publisher is attached, in O and N slots nothing is (events off); the two
-stores are one slot apart and take turns going first. Each E slot's put is compared with the mean of
-the O slots on either side (so a drift over the three cancels): ``t_E / t_O`` per E slot, the median
-over E slots, with its 95 % interval (order statistics, distribution free). The N slots get the same
+How a put is compared: one store of each kind against itself. Two identical stores differ by several
+per cent between them, steadily through a run (where their L2 memory landed), so one store with events
+against another without cannot show 2 %. The store's puts run in slots E O N O E O N O ..., one kind
+after the other so that slots follow each other closely: in an E slot its publisher is attached, in O
+and N slots nothing is (events off). Each E slot's put is compared with the mean of the O slots on
+either side (so a drift over the three cancels): ``t_E / t_O`` per E slot, the median over E slots,
+with its 95 % interval (order statistics, distribution free). The N slots get the same
 ratio: ``t_N / t_O`` is the noise floor of this very run, with nothing attached, by the same arithmetic.
 Before every slot the publisher is attached, the subscriber brought up to date and checked equal to the
 store's index (off the clocks), and, unless the slot is E, the publisher detached again: every put
@@ -214,18 +214,18 @@ class PutRunner:
     def __init__(self, kind: str, null: bool, inject_us: float, counter) -> None:
         self.kind, self.null, self.inject_us, self.counter = kind, null, inject_us, counter
         self.layout, self.n, l2 = PUTS[kind]
-        self.stores = [put_store(self.layout, l2), put_store(self.layout, l2)]
+        self.stores = [put_store(self.layout, l2)]
         self.followers = [Follower(s) for s in self.stores]
         # One source tensor per block of a put, refilled each put with contents of its own (small
         # integers: exact in any dtype), and as many landing tensors to read the put back into.
         shape, dtype = self.layout.block_shape, self.layout.torch_dtype
         self.sources = [torch.empty(shape, dtype=dtype) for _ in range(self.n)]
         self.landing = [torch.empty(shape, dtype=dtype) for _ in range(self.n)]
-        self.slots: list[list[tuple[str, dict[str, float]]]] = [[], []]  # per store: (slot, clocks)
+        self.slots: list[list[tuple[str, dict[str, float]]]] = [[] for _ in self.stores]  # per store: (slot, clocks)
         self.zmq_tid = None
         for follower in self.followers:
             follower.pause()
-        for store in range(2):
+        for store in range(len(self.stores)):
             for _ in range(l2 // self.n + 1):  # fill L2: from here on every put evicts
                 self.put(store, "O", record=False)
 
@@ -260,7 +260,7 @@ class PutRunner:
             self.slots[i].append((slot, {"wall": seconds, "caller": caller, "cpu": cpu, "events_us": events_us}))
 
     def run_round(self, r: int) -> None:
-        for i in ((0, 1) if (r // 4) % 2 == 0 else (1, 0)):
+        for i in range(len(self.stores)):  # (with more stores, each runs one slot behind the one before)
             self.put(i, CYCLE[(r - i) % 4])
 
     def ratios(self, slot: str, clock: str) -> list[float]:
@@ -334,7 +334,8 @@ def main() -> None:
                    help="spin US µs of the caller's CPU per block in each E put (the check's own test)")
     p.add_argument("--max-noise", type=float, default=0.01,
                    help="--check fails when the 2 MiB put's wall noise exceeds this (default 0.01)")
-    p.add_argument("--rounds", type=int, default=0, help="put rounds (default 201; 41 with --quick)")
+    p.add_argument("--rounds", type=int, default=0,
+                   help="rounds: 10 lookups per store each, and 4 put slots per kind each (default 201; 41 with --quick)")
     args = p.parse_args()
     rounds = args.rounds or (41 if args.quick else 201)
     load_before = os.getloadavg()
@@ -349,11 +350,11 @@ def main() -> None:
     runners: dict[str, PutRunner] = {}
     res: dict[str, list[float]] = collections.defaultdict(list)
     try:
-        for kind in PUTS:
-            runners[kind] = PutRunner(kind, args.null, args.inject_us, counter)
         for r in range(rounds):
             lookup_pair(look, tokens, ("off", "on") if r % 2 == 0 else ("on", "off"), 10, res)
-            for runner in runners.values():
+        for kind in PUTS:  # one kind after the other: a store's slots follow each other closely
+            runners[kind] = runner = PutRunner(kind, args.null, args.inject_us, counter)
+            for r in range(4 * rounds):
                 runner.run_round(r)
         verified = {kind: runner.close() for kind, runner in runners.items()}
         if look_follower is not None:
@@ -405,7 +406,7 @@ def report(args, rounds: int, med: dict, puts: dict, verified: dict, load_before
                  f"{puts['ref']['slots']['O']} O; {rounds} rounds)" + ("; --null: nothing attached in E" if args.null else "")
                  + (f"; --inject-us {args.inject_us:g}" if args.inject_us else "")))
     n, b, e = verified["small"] if "small" in verified else (0, 0, 0)
-    rows.append(("verified", f"{n:,}", f"subscriber == store index (small-block stores; {b:,} batches, {e:,} events)"))
+    rows.append(("verified", f"{n:,}", f"subscriber == store index (the small-block store; {b:,} batches, {e:,} events)"))
     rows.append(("loadavg", f"{load_before[0]:.2f}", f"1-minute load average before; {load_after[0]:.2f} after "
                  f"({os.cpu_count()} CPUs); every put read back and compared"))
     print_table(f"KV event publishing overhead, {rounds} rounds, each store against itself", rows)
