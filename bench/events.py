@@ -34,10 +34,11 @@ events µs   in E slots, the store's ``tierkv-events`` thread and ZMQ's I/O thre
 cost = median(E ratio) - median(N ratio), ± the two intervals' half widths combined (root of squares).
 Target (issue 16): lookup_on / lookup_off <= 1.02, and the 2 MiB put's wall cost <= 2 % beyond the
 noise: ``--check`` fails when cost - noise > 0.02, or when the noise itself exceeds ``--max-noise``
-(a run too noisy to judge passes nothing). ``--null`` attaches nothing in E slots either (the check must
-pass); ``--inject-us X`` spins X µs of the caller's CPU per block inside each E put's clocks (the check
-must fail once X is over 2 % of a put). At the end every subscriber's inventory must equal its store's
-index, key by key and tier by tier (a digest of both): what the events said is true.
+(a run too noisy to judge passes nothing). ``--null`` attaches nothing in E slots either (every cost
+must come out within its noise); ``--inject-us X`` spins X µs of the caller's CPU per block inside each
+E put's clocks (the cost must show it; the check fails once X is 2 % of a put plus the noise). Each of
+``--rounds`` is 10 lookups per store and 4 put slots per kind. At the end every subscriber's inventory
+must equal its store's index, key by key and tier by tier (a digest of both): what the events said is true.
 """
 from __future__ import annotations
 
