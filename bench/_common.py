@@ -35,6 +35,19 @@ def median_of(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def median_ci(values: list[float]) -> tuple[float, float, float]:
+    """(median, low, high): the median and its 95 % confidence interval from order statistics
+    (distribution free: the ranks n/2 -/+ 1.96 sqrt(n)/2); nan for no values."""
+    xs = sorted(values)
+    n = len(xs)
+    if not n:
+        return float("nan"), float("nan"), float("nan")
+    mid = xs[n // 2] if n % 2 else (xs[n // 2 - 1] + xs[n // 2]) / 2
+    half = 0.98 * n ** 0.5
+    lo, hi = int(n / 2 - half), int(n / 2 + 1 + half + 0.999999)  # 1-based ranks, rounded outwards
+    return mid, xs[max(lo - 1, 0)], xs[min(hi - 1, n - 1)]
+
+
 def print_table(title: str, rows: list[tuple[str, str, str]]) -> None:
     w0 = max(len(r[0]) for r in rows)
     w1 = max(len(r[1]) for r in rows)

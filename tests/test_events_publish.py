@@ -13,6 +13,7 @@ import zmq
 from _kv import prompt, save_prompt
 from tierkv.index import Tier
 from tierkv.kvevents import KVEventPublisher, KVEventSubscriber, PublisherConfig
+from tierkv.kvevents.inventory import TierKeySets
 from tierkv.kvevents.wire import BlockRemoved, BlockStored, KVEventBatch, seq_of
 
 L1, L2, L3 = Tier.L1, Tier.L2, Tier.L3
@@ -225,3 +226,17 @@ def test_a_change_larger_than_max_batch_events_goes_out_as_consecutive_batches(p
     ]
     assert pub.inventory.holds() == {f"s{i}".encode(): 1 << L2 for i in range(5)}
     tap.close()
+
+
+@pytest.mark.parametrize("fold_keys", [1, 3, 10_000])
+def test_the_snapshot_key_sets_apply_queued_batches_in_order(fold_keys):
+    # Batches are queued and folded many at a time; whenever they fold, a read sees every batch applied.
+    sets = TierKeySets(fold_keys=fold_keys)
+    sets.apply([(True, L2, [b"a", b"b"]), (True, L1, [b"a"])], 3)
+    sets.apply([(False, L2, [b"a"])], 1)
+    assert sets.by_tier() == [[b"a"], [b"b"], [], []]
+    sets.apply([(True, L2, [b"a"]), (False, L2, [b"b"])], 2)  # stored again; b gone
+    sets.apply([(False, L1, [b"a"]), (True, L3, [b"c"])], 2)
+    assert sets.holds() == {b"a": 1 << L2, b"c": 1 << L3} and len(sets) == 2
+    sets.apply([(False, L2, [b"a"]), (True, L2, [b"a"])], 2)  # removed then stored in one batch: held
+    assert sets.holds() == {b"a": 1 << L2, b"c": 1 << L3}

@@ -9,6 +9,7 @@ import threading
 import pytest
 
 from _kv import prompt, save_prompt
+from tierkv import alarm
 from tierkv.events import TierEvents
 from tierkv.index import Tier
 
@@ -79,6 +80,7 @@ def test_a_blocked_listener_delays_no_lookup_or_save(make_store, layout):
     m = store.lookup_keys(keys)
     assert m.tiers == [L1] * 4
     store.release(m)
+    assert not store.events.flush(0.2)  # the stuck batch: a flush times out rather than hang
     gate.set()
     assert store.events.flush(10)
 
@@ -138,10 +140,43 @@ def test_a_by_tier_listener_gets_the_same_batches_as_key_lists(make_store, layou
     assert pairs.net() == held_by_index(store)
 
 
-def test_records_racing_the_delivery_thread_lose_none():
+ALARMS = [pytest.param(alarm.TimerAlarm, id="timerfd",
+                        marks=pytest.mark.skipif(alarm._TIMERFD is None, reason="no timerfd (not Linux)")),
+          pytest.param(alarm.LockAlarm, id="locks")]
+
+
+@pytest.mark.parametrize("make_alarm", ALARMS)
+def test_an_armed_alarm_wakes_its_waiter_later_and_a_fired_one_at_once(make_alarm):
+    a = make_alarm()
+    woke = threading.Event()
+
+    def waiter():
+        a.wait()
+        woke.set()
+
+    for arm in (lambda: a.arm(0.001), a.fire):  # a short window runs out; a fire needs no window
+        woke.clear()
+        thread = threading.Thread(target=waiter)
+        thread.start()
+        arm()
+        assert woke.wait(10)
+        thread.join(10)
+    woke.clear()
+    thread = threading.Thread(target=waiter)
+    thread.start()
+    a.arm(60)                        # a long window: the waiter stays asleep...
+    assert not woke.wait(0.3)
+    a.fire()                         # ...until a fire (a flush, a close) replaces it
+    assert woke.wait(10)
+    thread.join(10)
+
+
+@pytest.mark.parametrize("make_alarm", ALARMS)
+def test_records_racing_the_delivery_thread_lose_none(make_alarm):
     # Thousands of batches swapped out while records keep coming (a GIL switch every microsecond):
     # the listener's view must end equal to what was recorded.
     events = TierEvents(window_s=0)
+    events._alarm = make_alarm()     # before the thread starts: each way of waking delivers everything
     seen: set[tuple[bytes, int]] = set()
 
     def apply(stored, removed):
@@ -201,3 +236,26 @@ def test_a_bad_tier_raises_to_the_recorder_and_delivery_goes_on():
     assert events.flush(5)
     events.close()
     assert got == [[[], [b"k"], [], []]]
+
+
+def test_flushes_from_many_threads_each_see_what_they_recorded_delivered():
+    events = TierEvents()
+    seen: set[bytes] = set()
+    events.add_listener(lambda s, r: seen.update(k for keys in s for k in keys), by_tier=True)
+    failures = []
+
+    def worker(w: int) -> None:
+        for i in range(200):
+            key = f"{w}-{i}".encode()
+            with events.lock:
+                events.stored(key, L2)
+            if not events.flush(10) or key not in seen:
+                failures.append(key)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    events.close()
+    assert not failures and len(seen) == 800

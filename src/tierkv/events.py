@@ -5,13 +5,14 @@ index adding or dropping a local tier, an L4 put landing); a demotion is a
 removal from one tier plus an arrival in another. Recording happens under the
 store's lock, which already serialises every commit: it is a dict operation
 or two on the pending batch (no lock of its own, no object per event), and
-nothing at all when no listener is registered. The first record after the
-delivery thread went idle wakes it. That thread ``tierkv-events`` lets the
-batch fill for ``window_s``, swaps in an empty one without taking any lock
-(a flag the recorder raises while it writes tells the thread when the old
-batch is complete), and hands it to the listeners, so neither a slow
-listener nor the delivery itself ever waits for, or holds up, a lookup or a
-save.
+nothing at all when no listener is registered. The first record of a batch
+arms an alarm (``tierkv.alarm``: on Linux a timerfd, which wakes nobody now)
+for ``window_s`` later; when it goes off, the delivery thread
+``tierkv-events`` wakes, once per batch, swaps in an empty batch without
+taking any lock (a flag the recorder raises while it writes tells the thread
+when the old batch is complete), and hands it to the listeners, so neither a
+slow listener nor the delivery itself ever waits for, or holds up, a lookup
+or a save.
 
 A batch is a net change: a block stored into a tier and removed from it again
 before the batch went out appears in neither list (and the other way round).
@@ -26,18 +27,21 @@ import threading
 import time
 from collections.abc import Callable
 
+from tierkv.alarm import Alarm
+
 log = logging.getLogger("tierkv")
 
 TierListener = Callable[[list, list], None]
 """``listener(stored, removed)``: lists of ``(block key, tier)`` (``tier`` the int of a
-``tierkv.index.Tier``), or with ``by_tier`` one list of keys per tier L1..L4."""
+``tierkv.index.Tier``), or with ``by_tier`` one list of keys per tier L1..L4. The lists are shared
+by every listener (and a publisher keeps them for its snapshots): read them, never change them."""
 
 NUM_TIERS = 4  # L1..L4, the int values of tierkv.index.Tier
-WINDOW_S = 0.01  # how long a batch fills after its first record: one delivery per window, not per burst
+WINDOW_S = 0.025  # how long a batch fills after its first record: one delivery per window, not per burst
 
 
 def _empty() -> tuple[dict[bytes, bool], ...]:
-    return tuple({} for _ in range(NUM_TIERS))
+    return {}, {}, {}, {}  # NUM_TIERS of them, spelt out: built once a batch, on the delivery thread
 
 
 class TierEvents:
@@ -46,11 +50,11 @@ class TierEvents:
     ``stored``/``removed`` must be called with ``lock`` held, so that no two
     run at once (the store's lock, under which every commit runs; a
     ``TierEvents`` made without one has its own, which callers then take).
-    They take no lock themselves and only release one, once per batch, to
-    wake the delivery thread, which never takes ``lock``. Listeners run one
-    at a time on the thread ``tierkv-events``; an exception one raises is
-    counted in ``errors`` and logged once, never seen by the store.
-    ``flush`` cuts the window short.
+    They take no lock themselves; the first of a batch arms the alarm (one
+    syscall, no wake). The delivery thread never takes ``lock``. Listeners
+    run one at a time on the thread ``tierkv-events``; an exception one
+    raises is counted in ``errors`` and logged once, never seen by the store.
+    ``flush`` cuts the window short. ``batches`` counts the batches delivered.
     """
 
     def __init__(self, lock: threading.RLock | None = None, window_s: float = WINDOW_S) -> None:
@@ -59,19 +63,19 @@ class TierEvents:
         self.lock = lock if lock is not None else threading.RLock()
         self.window_s = window_s
         self._listeners: tuple[tuple[TierListener, bool], ...] = ()  # copy-on-write: read without the lock
-        self._cond = threading.Condition()  # listeners, flush, close
+        self._admin = threading.Lock()  # listeners, the flush count, close
         # The pending batch: per tier, keys stored / removed, in arrival order. Swapped whole (one
         # attribute store) by the delivery thread; _recording is up while a recorder writes into it.
         self._batch = (_empty(), _empty())
         self._recording = False
-        # Two binary semaphores, held while nobody rings them (a raw lock is the cheapest wait there is):
-        # _bell wakes the idle thread at a batch's first record, _hurry ends a window early (flush, close).
-        self._bell, self._hurry = threading.Lock(), threading.Lock()
-        self._bell.acquire()
-        self._hurry.acquire()
-        self._sleeping = False  # the thread is (about to be) waiting on _bell
+        self._alarm = Alarm()
+        self._armed = False  # the alarm is set for the pending batch (cleared by the thread before a swap)
         self._delivering = False
-        self._flushing = 0
+        self._flushing = 0  # threads in flush (changed under _admin)
+        # A binary semaphore, held while nobody rings it: the thread rings it after a delivery while
+        # anyone flushes (a raw lock: one wake for the flusher, where a Condition took three switches).
+        self._done = threading.Lock()
+        self._done.acquire()
         self._closed = False
         self._thread: threading.Thread | None = None
         self.errors = 0
@@ -85,7 +89,7 @@ class TierEvents:
     def add_listener(self, listener: TierListener, by_tier: bool = False) -> None:
         """Deliver every later batch to ``listener`` (events before registration are not replayed);
         ``by_tier``: as two lists of 4 key lists (index = tier) instead of ``(key, tier)`` pairs."""
-        with self._cond:
+        with self._admin:
             if self._closed:
                 raise RuntimeError("tier events: the store is closed")
             self._listeners = (*self._listeners, (listener, bool(by_tier)))
@@ -95,7 +99,7 @@ class TierEvents:
 
     def remove_listener(self, listener: TierListener) -> None:
         """Stop delivering to ``listener``; unknown ones are ignored. A batch being delivered may still reach it."""
-        with self._cond:
+        with self._admin:
             self._listeners = tuple(item for item in self._listeners if item[0] != listener)
 
     def stored(self, key: bytes, tier: int) -> None:
@@ -108,9 +112,9 @@ class TierEvents:
                     new[tier][key] = True
             finally:  # (a bad tier raises to the caller; the delivery thread must not wait for it)
                 self._recording = False
-            if self._sleeping:  # the first record since the thread went idle (callers are serialised)
-                self._sleeping = False
-                _ring(self._bell)
+            if not self._armed:  # the batch's first record (callers are serialised); after the write: see _run
+                self._armed = True
+                self._alarm.arm(self.window_s)
 
     def removed(self, key: bytes, tier: int) -> None:
         """``tier`` no longer holds ``key``. Caller holds ``lock``."""
@@ -122,9 +126,9 @@ class TierEvents:
                     gone[tier][key] = True
             finally:
                 self._recording = False
-            if self._sleeping:
-                self._sleeping = False
-                _ring(self._bell)
+            if not self._armed:
+                self._armed = True
+                self._alarm.arm(self.window_s)
 
     def _pending(self) -> bool:
         new, gone = self._batch
@@ -141,60 +145,64 @@ class TierEvents:
         free-threaded CPython would need a lock here.)
         """
         batch = self._batch
-        self._batch = (_empty(), _empty())
+        self._batch = ({}, {}, {}, {}), ({}, {}, {}, {})  # _empty() twice, inlined
         while self._recording:  # only when a GIL switch fell inside a record: let it finish
             time.sleep(0)
         return batch
 
     def flush(self, timeout: float | None = 10.0) -> bool:
         """Wait until every event recorded so far has been delivered; False on timeout.
-        Not from a listener (it would wait for itself)."""
-        with self._cond:
-            self._flushing += 1
-            _ring(self._hurry)
-            try:
-                return self._cond.wait_for(lambda: not self._pending() and not self._delivering, timeout)
-            finally:
+        Not from a listener (it would wait for itself). Any number of threads may flush at once."""
+        if not self._pending() and not self._delivering:
+            return True
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._admin:
+            self._flushing += 1  # before the look below: the thread, done, looks at this and rings _done
+        try:
+            while self._pending() or self._delivering:
+                self._alarm.fire()
+                left = -1 if deadline is None else deadline - time.monotonic()
+                if deadline is not None and left <= 0:
+                    return False
+                self._done.acquire(timeout=left)  # a ring left from earlier only costs one more look
+            return True
+        finally:
+            with self._admin:
                 self._flushing -= 1
+            _ring(self._done)  # pass the wake on: another flusher may be waiting for the same delivery
 
     def close(self) -> None:
         """Deliver what is pending, then stop the thread."""
-        with self._cond:
+        with self._admin:
             self._closed = True
             thread = self._thread
-        _ring(self._hurry)
-        _ring(self._bell)
+        self._alarm.fire()
         if thread is not None:
             thread.join(timeout=10)
 
     def _run(self) -> None:
+        alarm = self._alarm
         while True:
-            if not self._pending():
-                if self._closed:
-                    return
-                # Set _sleeping, then look: a record made after the look sees the flag and rings.
-                self._sleeping = True
-                if not self._pending() and not self._closed:
-                    self._bell.acquire()
-                self._sleeping = False
-                continue  # (a ring left over from an earlier round only costs one more look)
-            self._hurry.acquire(False)  # drop a ring meant for a batch already gone (a flush while delivering)
-            if not (self._flushing or self._closed):
-                # Let the rest of a burst (a save of many blocks, an eviction run) join this batch.
-                self._hurry.acquire(timeout=self.window_s)
+            if not ((self._flushing or self._closed) and self._pending()):
+                alarm.wait()  # the window of the batch's first record, or a flush or close
+            # Clear the flag before the swap: a record into the new batch then finds it down and arms
+            # the alarm again; one into the old batch that arms it too only costs an empty wake.
+            self._armed = False
             self._delivering = True  # before the swap: flush must never see neither pending nor delivering
             listeners = self._listeners
             new, gone = self._take()
-            self._deliver(listeners, [list(d) for d in new], [list(d) for d in gone])
-            with self._cond:
-                self.batches += 1
-                self._delivering = False
-                if self._flushing:
-                    self._cond.notify_all()
+            self.batches += self._deliver(listeners, new, gone)  # (only this thread writes it)
+            self._delivering = False  # before the look at _flushing: see flush
+            if self._flushing:
+                _ring(self._done)
+            if self._closed and not self._pending():
+                return
 
-    def _deliver(self, listeners, stored: list[list[bytes]], removed: list[list[bytes]]) -> None:
-        if not any(stored) and not any(removed):  # everything in the window netted out
-            return
+    def _deliver(self, listeners, new: tuple[dict[bytes, bool], ...], gone: tuple[dict[bytes, bool], ...]) -> bool:
+        """Hand one batch to every listener; False when it was empty (everything netted out)."""
+        if not any(new) and not any(gone):
+            return False
+        stored, removed = list(map(list, new)), list(map(list, gone))  # (no comprehension: no function object)
         pairs = None
         for listener, by_tier in listeners:
             if by_tier:
@@ -211,6 +219,7 @@ class TierEvents:
                 if self.errors == 1:
                     log.warning("tierkv: tier listener %r failed; further failures are only counted "
                                 "(tier events errors)", listener, exc_info=True)
+        return True
 
 
 def _ring(bell: threading.Lock) -> None:

@@ -3,8 +3,8 @@
 ``Inventory`` applies decoded ``KVEventBatch`` es (removals, stores, clears)
 to a map block key -> tier bitmask, and answers the router's question: how
 many leading blocks of a prompt this node holds, in which tier.
-``TierKeySets`` is the publisher's side: a set of keys per tier, updated a
-whole event at a time, read for snapshots.
+``TierKeySets`` is the publisher's side: a set of keys per tier, updated
+many batches at a time, read for snapshots.
 
 Thread-safety: one writer (the subscriber thread) and any number of readers.
 Readers see each key's mask as of some batch (single dict operations are
@@ -14,6 +14,7 @@ routing hint tolerates.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 
 from tierkv.kvevents.wire import AllBlocksCleared, BlockRemoved, BlockStored, tier_of
@@ -91,28 +92,51 @@ class Inventory:
 class TierKeySets:
     """The keys each tier L1..L4 holds, as sets: what a publisher sent, for snapshots and status.
 
-    ``store``/``remove`` take a whole event's keys in one set operation. One
-    writer at a time (the publisher's lock); readers get copies, each tier's
-    taken in one step under the GIL (a reader racing a batch may see one
-    tier before it and another after).
+    ``apply`` takes one batch's changes and only queues them (the key lists
+    are kept, not copied: callers hand over lists they no longer change);
+    they are folded into the sets in arrival order, in one go, when
+    ``fold_keys`` keys are queued or when anyone reads. Folding many
+    batches at once runs with warm caches; one set update per batch, right
+    after a put has streamed megabytes through the caches, cost the
+    publisher more than its encode. Thread-safe: an internal lock orders
+    ``apply`` and the folds; readers get copies, as of the last batch
+    applied.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, fold_keys: int = 16384) -> None:
         self._sets: tuple[set[bytes], ...] = (set(), set(), set(), set())
+        self._queued: list[tuple[bool, int, list[bytes]]] = []  # (stored?, tier, keys), oldest first
+        self._queued_keys = 0
+        self.fold_keys = fold_keys
+        self._lock = threading.Lock()
 
-    def store(self, tier: int, keys: Iterable[bytes]) -> None:
-        self._sets[tier].update(keys)
+    def apply(self, groups: Iterable[tuple[bool, int, list[bytes]]], n_keys: int) -> None:
+        """Queue one batch: ``(stored, tier, keys)`` per group, in order (``stored`` False: removed);
+        ``n_keys`` their total."""
+        with self._lock:
+            self._queued.extend(groups)
+            self._queued_keys += n_keys
+            if self._queued_keys >= self.fold_keys:
+                self._fold()
 
-    def remove(self, tier: int, keys: Iterable[bytes]) -> None:
-        self._sets[tier].difference_update(keys)
+    def _fold(self) -> None:
+        sets, queued = self._sets, self._queued
+        self._queued, self._queued_keys = [], 0
+        for stored, tier, keys in queued:
+            if stored:
+                sets[tier].update(keys)
+            else:
+                sets[tier].difference_update(keys)
 
     def __len__(self) -> int:
         """Distinct keys held in any tier."""
-        return len(set().union(*self._sets))
+        return len(set().union(*self.by_tier()))
 
     def by_tier(self) -> list[list[bytes]]:
         """The keys each tier holds, L1..L4 (copies)."""
-        return [list(s) for s in self._sets]
+        with self._lock:
+            self._fold()
+            return [list(s) for s in self._sets]
 
     def holds(self) -> dict[bytes, int]:
         """key -> tier mask, as ``Inventory.holds`` (for tests and status)."""
