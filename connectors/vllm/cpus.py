@@ -1,4 +1,4 @@
-"""Which CPUs the connector's own threads run on (``vllm.io_cpus``).
+"""Which CPUs tierkv's threads in vLLM's worker run on (``vllm.io_cpus``).
 
 vLLM's CPU worker binds its OpenMP threads, the main thread included, to the
 cores named by ``VLLM_CPU_OMP_THREADS_BIND``; a thread started later inherits
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 log = logging.getLogger("tierkv.connectors.vllm")
 
@@ -61,3 +62,34 @@ def pin_thread(spec: str) -> None:
     except OSError as exc:  # none of them is allowed to this process (a cgroup cpuset)
         log.warning("tierkv: cannot move a connector thread to CPUs %s (%s); it stays on %s",
                     sorted(cpus), exc, sorted(os.sched_getaffinity(0)))
+
+
+class ThreadPinner:
+    """Moves the process's ``tierkv-*`` threads (the store's IO, copy, L3 reader and verifier
+    threads, the connector's own) to ``io_cpus(spec)``, each once. The store starts some of them
+    before vLLM binds its threads and some later from a bound thread; calling ``pin_new`` after
+    each step that may have started one catches both. vLLM's worker thread only."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        self._done: set[int] = set()
+        self._count = -1
+
+    def pin_new(self) -> None:
+        if self.spec == "inherit" or threading.active_count() == self._count:
+            return
+        self._count = threading.active_count()
+        cpus = None
+        for thread in threading.enumerate():
+            tid = thread.native_id
+            if tid is None or tid in self._done or not thread.name.startswith("tierkv"):
+                continue
+            self._done.add(tid)
+            if cpus is None:
+                cpus = io_cpus(self.spec)  # from this (vLLM's bound) thread: what its binding leaves
+                if cpus is None:
+                    return
+            try:
+                os.sched_setaffinity(tid, cpus)
+            except OSError:  # the thread ended, or none of the CPUs is allowed
+                pass

@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierkv.connectors.vllm.config import VllmSettings
-from tierkv.connectors.vllm.cpus import pin_thread
+from tierkv.connectors.vllm.cpus import ThreadPinner, pin_thread
 from tierkv.connectors.vllm.landing import LandingPool
 from tierkv.connectors.vllm.layer_feed import LayerFeed
 from tierkv.connectors.vllm.layout import cache_view, resolve_split
@@ -124,6 +124,7 @@ class ConnectorWorker:
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="tierkv-vllm-save",
                                          initializer=pin_thread, initargs=(settings.io_cpus,))
         self._feed = LayerFeed(settings.io_cpus)
+        self._pinner = ThreadPinner(settings.io_cpus)
         self._fed: list[_Load] | None = None  # this step's loads on the feed thread, until joined
         self._by_layer = False  # set by register_kv_caches
         self._parts = read_parts(self.layout)
@@ -150,6 +151,7 @@ class ConnectorWorker:
         split = resolve_split(self.settings.kv_split, first.device)
         self.kv = cache_view(kv_caches, self.layer_names, self.layout, split)
         self._by_layer = self.settings.load_by_layer == "auto" and self.kv.device.type == "cpu"
+        self._pinner.pin_new()  # vLLM has bound its threads by now; the store's were started earlier
 
     def bind(self, meta: TierKVMetadata) -> None:
         self._report |= meta.report_when_saved
@@ -174,6 +176,8 @@ class ConnectorWorker:
         if fed:
             self._fed = fed
             self._feed.start(lambda ready: self._feed_job(fed, ready))
+        if pending:
+            self._pinner.pin_new()  # threads the store started for these loads (readers, copies)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Return once this step's synchronous loads have written ``layer_name`` (at once if none)."""
