@@ -96,9 +96,14 @@ class PrefixIndex:
 
     ``policies[t]`` ranks the evictable blocks of local tier ``t``; ``None``
     for an absent tier. ``half_life`` (in lookups) sets how fast ``freq`` decays.
+    ``native``: run the per-block loops (``match_entries``, ``use``, ``save_chain``,
+    ``unpin``, ``evict``) in C (``tierkv.index_native``, the same decisions on the
+    same objects) when it can be built; None (default) uses it when available,
+    False never (the pure-Python path, which tests compare it with).
     """
 
-    def __init__(self, policies: Sequence[Ranking | None], half_life: float = 2000.0) -> None:
+    def __init__(self, policies: Sequence[Ranking | None], half_life: float = 2000.0,
+                 native: bool | None = None) -> None:
         if len(policies) != len(LOCAL_TIERS):
             raise ValueError(f"index.policies: expected {len(LOCAL_TIERS)} entries, got {len(policies)}")
         if half_life <= 0:
@@ -114,7 +119,8 @@ class PrefixIndex:
         for policy in self.policies:
             if policy is not None:
                 policy.bind(self)
-        self._observers = tuple(p.observe for p in self.policies if p is not None and hasattr(p, "observe"))
+        self._observing = tuple(p for p in self.policies if p is not None and hasattr(p, "observe"))
+        self._observers = tuple(p.observe for p in self._observing)
         self._admits = [getattr(p, "admit", None) for p in self.policies]
         self._decay = 0.5 ** (1.0 / half_life)
         # Copy-on-write under its own lock: drop() reads the tuple without taking any.
@@ -123,6 +129,12 @@ class PrefixIndex:
         self.listener_errors = 0
         # Optional tierkv.events.TierEvents: told of every (key, tier) this index adds or drops.
         self.events = None
+        if native is False:
+            self._c = None
+        else:
+            from tierkv import index_native  # imports the policies it speeds up: not at module import
+
+            self._c = index_native.load()
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -189,6 +201,8 @@ class PrefixIndex:
 
     def match_entries(self, keys: Sequence[bytes]) -> list[Entry]:
         """The entries of the longest cached prefix of ``keys`` (``match`` without the tiers)."""
+        if self._c is not None:
+            return self._c.match_entries(self._entries, keys)
         get = self._entries.get
         out: list[Entry] = []
         append = out.append
@@ -207,6 +221,8 @@ class PrefixIndex:
         caller's lookup) is not pinned again. Returns the entries it pinned, for
         the caller to ``unpin`` when the request ends.
         """
+        if self._c is not None:
+            return self._c.save_chain(self, keys, start, tier)
         entries, uncached, policies = self._entries, self._uncached_parents, self.policies
         get = entries.get
         bit, clock, admit, policy = 1 << tier, self.clock, self._admits[tier], self.policies[tier]
@@ -278,6 +294,8 @@ class PrefixIndex:
         ``drop`` for each victim, in order. Returns the victims (fewer when
         nothing more is evictable).
         """
+        if self._c is not None:
+            return self._c.evict(self, tier, n)
         policy, drop_ = self.policies[tier], self._drop
         victims: list[Entry] = []
         if policy is None or n <= 0:
@@ -391,6 +409,8 @@ class PrefixIndex:
 
     def unpin(self, entries: Iterable[Entry]) -> None:
         """Release one pin of each of ``entries``; a block left unpinned is listed where it is a leaf."""
+        if self._c is not None:
+            return self._c.unpin(self, entries)
         policies = self.policies
         for entry in entries:
             ref = entry.ref_count - 1
@@ -418,6 +438,8 @@ class PrefixIndex:
         (listed or not) before their use times change; each block gains a use
         (``freq`` decays by the half-life and gains 1, ``hits`` gains 1).
         """
+        if self._c is not None:
+            return self._c.use(self, entries, pin)
         self.clock += 1
         clock, decay, policies = self.clock, self._decay, self.policies
         if self._observers:
