@@ -18,6 +18,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from enum import IntEnum
+from functools import partial
 from typing import Protocol
 
 log = logging.getLogger("tierkv")
@@ -135,6 +136,15 @@ class PrefixIndex:
             from tierkv import index_native  # imports the policies it speeds up: not at module import
 
             self._c = index_native.load()
+        if self._c is not None:
+            # The hot methods straight to C, no Python frame per call: instance attributes that
+            # shadow the methods below (which, called on the class, take the same C path).
+            c = self._c
+            self.match_entries = partial(c.match_entries, self._entries)
+            self.use = partial(c.use, self)
+            self.save_chain = partial(c.save_chain, self)
+            self.unpin = partial(c.unpin, self)
+            self.evict = partial(c.evict, self)
 
     def __len__(self) -> int:
         return len(self._entries)

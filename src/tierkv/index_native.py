@@ -37,7 +37,7 @@ SOURCE = r"""
 enum { TAG_BITS = 2, BINS = 64, LEVELS = 2, CLASSES = 4, TIP = 1, SEEN = 2, EXTRA_SHIFT = 2, EXTRA_MASK = 3 };
 
 static PyTypeObject *EntryT, *QueueT, *LruT, *HdT;
-static PyObject *deque_t, *deque_append, *deque_popleft, *hd_globals, *best_of[8];
+static PyObject *zero, *zero_f, *deque_t, *deque_append, *deque_popleft, *hd_globals, *best_of[8];
 /* The clock of the index an evict call runs on, for its policy's reads of ``self.index.clock``. */
 static PyObject *clock_index = NULL;
 static long clock_value = 0;
@@ -343,7 +343,13 @@ static double hd_score(PyObject *self, long c, long age, long depth) {
   return (at + (next - at) * frac) * ben;
 }
 
+/* GHOST_FACTOR and MAX_GHOSTS (module globals, read per use like the Python code; an evict call
+   reads them once: nothing it calls assigns them). */
+static int limits_cached = 0;
+static long cached_factor, cached_cap;
+
 static int ghost_limits(long *factor, long *cap) {
+  if (limits_cached) { *factor = cached_factor; *cap = cached_cap; return 0; }
   PyObject *f = PyDict_GetItemWithError(hd_globals, s_gf), *m = PyDict_GetItemWithError(hd_globals, s_mg);
   if (f == NULL || m == NULL) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "hit_density: GHOST_FACTOR/MAX_GHOSTS missing");
@@ -679,7 +685,7 @@ static int check_policies(PyObject *policies) {
    tier's policy keeps ints in ``handles``: lru, hit_density) the entry and its two lists hold only
    atomic values, can be in no reference cycle, and are freed by reference counting alone: they are
    left out of the garbage collector's scans, which otherwise revisit every cached block. */
-static PyObject *new_entry(PyObject *key, PyObject *parent, long depth, long last, long mask, long ref,
+static PyObject *new_entry(PyObject *key, PyObject *parent, long depth, PyObject *last, long mask, long ref,
                            int untrack) {
   PyObject *e = EntryT->tp_alloc(EntryT, 0);
   if (e == NULL) return NULL;
@@ -689,8 +695,8 @@ static PyObject *new_entry(PyObject *key, PyObject *parent, long depth, long las
   Py_INCREF(Py_None); SLOT(e, E_l1) = Py_None;
   PyObject *children = PyList_New(3), *handles = PyList_New(3);
   if (setO(e, E_depth, PyLong_FromLong(depth)) < 0 || setO(e, E_mask, PyLong_FromLong(mask)) < 0 ||
-      setO(e, E_ref, PyLong_FromLong(ref)) < 0 || setO(e, E_last, PyLong_FromLong(last)) < 0 ||
-      setO(e, E_freq, PyFloat_FromDouble(0.0)) < 0 || setO(e, E_hits, PyLong_FromLong(0)) < 0 ||
+      setO(e, E_ref, PyLong_FromLong(ref)) < 0 || setO(e, E_last, (Py_INCREF(last), last)) < 0 ||
+      setO(e, E_freq, (Py_INCREF(zero_f), zero_f)) < 0 || setO(e, E_hits, PyLong_FromLong(0)) < 0 ||
       setO(e, E_tag, PyLong_FromLong(0)) < 0 || children == NULL || handles == NULL) {
     Py_XDECREF(children); Py_XDECREF(handles); Py_DECREF(e);
     return NULL;
@@ -712,7 +718,7 @@ static PyObject *new_entry(PyObject *key, PyObject *parent, long depth, long las
 
 
 /* match_entries(entries, keys): the entries of the longest cached prefix. */
-static PyObject *py_match_entries(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *impl_match_entries(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 2 || !PyDict_CheckExact(args[0])) { PyErr_SetString(PyExc_TypeError, "match_entries(dict, keys)"); return NULL; }
   PyObject *seq = PySequence_Fast(args[1], "match_entries: keys must be a sequence");
   if (seq == NULL) return NULL;
@@ -729,7 +735,7 @@ static PyObject *py_match_entries(PyObject *m, PyObject *const *args, Py_ssize_t
 }
 
 /* use(index, entries, pin) */
-static PyObject *py_use(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *impl_use(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "use(index, entries, pin)"); return NULL; }
   PyObject *index = args[0], *entries = args[1];
   int pin = PyObject_IsTrue(args[2]);
@@ -792,7 +798,7 @@ done0:
 }
 
 /* unpin(index, entries) */
-static PyObject *py_unpin(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *impl_unpin(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 2) { PyErr_SetString(PyExc_TypeError, "unpin(index, entries)"); return NULL; }
   PyObject *policies = attr(args[0], s_policies);
   if (policies == NULL) return NULL;
@@ -829,7 +835,7 @@ done:
 }
 
 /* save_chain(index, keys, start, tier) -> the entries it pinned */
-static PyObject *py_save_chain(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *impl_save_chain(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 4) { PyErr_SetString(PyExc_TypeError, "save_chain(index, keys, start, tier)"); return NULL; }
   PyObject *index = args[0], *tier_o = args[3];
   Py_ssize_t start = PyLong_AsSsize_t(args[2]);
@@ -884,7 +890,7 @@ static PyObject *py_save_chain(PyObject *m, PyObject *const *args, Py_ssize_t na
         if (revived != NULL) { Py_INCREF(revived); if (PyDict_DelItem(uncached, key) < 0) { Py_DECREF(revived); goto done; } }
       }
       if (revived == NULL) {
-        entry = new_entry(key, parent, depth, clock, bit, 1, untrack);
+        entry = new_entry(key, parent, depth, clk, bit, 1, untrack);
         if (entry == NULL || PyDict_SetItem(entries, key, entry) < 0 || PyList_Append(pinned, entry) < 0) goto done;
       } else {
         entry = revived;
@@ -928,7 +934,7 @@ static PyObject *py_save_chain(PyObject *m, PyObject *const *args, Py_ssize_t na
     if (events != Py_None && call_drop(PyObject_CallMethodObjArgs(events, s_stored, key, tier_o, NULL)) < 0) goto done;
     if (parent != Py_None) {
       if (parent_entry == NULL) {
-        parent_entry = new_entry(parent, Py_None, depth - 1 > 0 ? depth - 1 : 0, 0, 0, 0, untrack);
+        parent_entry = new_entry(parent, Py_None, depth - 1 > 0 ? depth - 1 : 0, zero, 0, 0, untrack);
         if (parent_entry == NULL || PyDict_SetItem(uncached, parent, parent_entry) < 0) goto done;
       }
       PyObject *children = SLOT(parent_entry, E_children);
@@ -954,7 +960,7 @@ done:
 }
 
 /* _drop(entry, tier, defer) of index.py; *exposed gets a new reference or NULL. */
-typedef struct { PyObject *index, *entries, *uncached, *counts, *events, *tier_o; Pol *pol; long tier; } DropCtx;
+typedef struct { PyObject *index, *entries, *uncached, *counts, *events, *tier_o; Pol *pol; long tier; int listeners; } DropCtx;
 
 static int drop_entry(DropCtx *d, PyObject *e, int defer, PyObject **exposed) {
   long tier = d->tier;
@@ -996,15 +1002,7 @@ static int drop_entry(DropCtx *d, PyObject *e, int defer, PyObject **exposed) {
       PyObject *children = SLOT(e, E_children);
       if (LI(children, 0) || LI(children, 1) || LI(children, 2)) rc = PyDict_SetItem(d->uncached, key, e);
     }
-    if (rc == 0) {
-      PyObject *listeners = attr(d->index, s_listeners);
-      if (listeners == NULL) rc = -1;
-      else {
-        int any = PyObject_IsTrue(listeners);
-        Py_DECREF(listeners);
-        if (any < 0 || (any && call_drop(PyObject_CallMethodOneArg(d->index, s_notify, key)) < 0)) rc = -1;
-      }
-    }
+    if (rc == 0 && d->listeners && call_drop(PyObject_CallMethodOneArg(d->index, s_notify, key)) < 0) rc = -1;
     Py_DECREF(key);
     if (rc < 0) { Py_CLEAR(*exposed); return -1; }
   }
@@ -1012,7 +1010,7 @@ static int drop_entry(DropCtx *d, PyObject *e, int defer, PyObject **exposed) {
 }
 
 /* evict(index, tier, n) -> victims */
-static PyObject *py_evict(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+static PyObject *impl_evict(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
   if (nargs != 3) { PyErr_SetString(PyExc_TypeError, "evict(index, tier, n)"); return NULL; }
   PyObject *index = args[0];
   long tier = PyLong_AsLong(args[1]);
@@ -1029,7 +1027,7 @@ static PyObject *py_evict(PyObject *m, PyObject *const *args, Py_ssize_t nargs) 
     return victims;
   }
   Pol pol;
-  DropCtx d = {index, NULL, NULL, NULL, NULL, args[1], &pol, tier};
+  DropCtx d = {index, NULL, NULL, NULL, NULL, args[1], &pol, tier, 0};
   PyObject *exposed = NULL, *entry = NULL, *saved_index = clock_index;
   long saved_clock = clock_value;
   int ok = 0, deferring = 1;
@@ -1038,7 +1036,14 @@ static PyObject *py_evict(PyObject *m, PyObject *const *args, Py_ssize_t nargs) 
   clock_value = PyLong_AsLong(clk);
   Py_DECREF(clk);
   clock_index = index;
+  int saved_cached = limits_cached;
+  long saved_factor = cached_factor, saved_cap = cached_cap;
   if (pol_init(&pol, PyList_GET_ITEM(policies, tier)) < 0) { pol.kind = -1; goto done; }
+  if (pol.kind == 2) {
+    limits_cached = 0;
+    if (ghost_limits(&cached_factor, &cached_cap) < 0) goto done;
+    limits_cached = 1;
+  }
   if (pol.kind == 3) {
     int has = PyObject_HasAttr(pol.policy, s_pop_after);
     deferring = has;
@@ -1046,6 +1051,13 @@ static PyObject *py_evict(PyObject *m, PyObject *const *args, Py_ssize_t nargs) 
   d.entries = attr(index, s_entries); d.uncached = attr(index, s_uncached);
   d.counts = attr(index, s_counts); d.events = attr(index, s_events);
   if (!d.entries || !d.uncached || !d.counts || !d.events) goto done;
+  {  /* registered listeners, read once per call (the tuple is replaced, never changed, on registration) */
+    PyObject *listeners = attr(index, s_listeners);
+    if (listeners == NULL) goto done;
+    d.listeners = PyObject_IsTrue(listeners);
+    Py_DECREF(listeners);
+    if (d.listeners < 0) goto done;
+  }
   if (!PyDict_CheckExact(d.entries) || !PyDict_CheckExact(d.uncached) || !PyList_CheckExact(d.counts) ||
       PyList_GET_SIZE(d.counts) != 3) {
     PyErr_SetString(PyExc_TypeError, "evict: unexpected index state");
@@ -1069,12 +1081,55 @@ static PyObject *py_evict(PyObject *m, PyObject *const *args, Py_ssize_t nargs) 
 done:
   clock_index = saved_index;
   clock_value = saved_clock;
+  limits_cached = saved_cached;
+  cached_factor = saved_factor;
+  cached_cap = saved_cap;
   pol_clear(&pol);
   Py_XDECREF(entry); Py_XDECREF(exposed); Py_DECREF(policies);
   Py_XDECREF(d.entries); Py_XDECREF(d.uncached); Py_XDECREF(d.counts); Py_XDECREF(d.events);
   if (!ok) { Py_DECREF(victims); return NULL; }
   return victims;
 }
+
+
+/* Keyword arguments for the index's entry points (PrefixIndex binds them to itself with partial,
+   so ``index.use(entries, pin=True)`` works as the Python method does). */
+static PyObject *with_keywords(PyObject *(*impl)(PyObject *, PyObject *const *, Py_ssize_t), PyObject *m,
+                               PyObject *const *args, size_t nargsf, PyObject *kwnames,
+                               const char *const *names, Py_ssize_t n) {
+  /* names[0]: the function; names[1..n-1]: its parameters, in order */
+  Py_ssize_t nargs = PyVectorcall_NARGS(nargsf), params = n - 1;
+  if (kwnames == NULL || PyTuple_GET_SIZE(kwnames) == 0) return impl(m, args, nargs);
+  PyObject *bound[8] = {NULL};
+  if (nargs > params || params > 8) { PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments", names[0], params); return NULL; }
+  for (Py_ssize_t i = 0; i < nargs; i++) bound[i] = args[i];
+  for (Py_ssize_t k = 0; k < PyTuple_GET_SIZE(kwnames); k++) {
+    const char *kw = PyUnicode_AsUTF8(PyTuple_GET_ITEM(kwnames, k));
+    if (kw == NULL) return NULL;
+    Py_ssize_t j = 0;
+    while (j < params && strcmp(names[j + 1], kw) != 0) j++;
+    if (j == params || bound[j] != NULL) {
+      PyErr_Format(PyExc_TypeError, "%s() got an unexpected or repeated argument '%s'", names[0], kw);
+      return NULL;
+    }
+    bound[j] = args[nargs + k];
+  }
+  for (Py_ssize_t j = 0; j < params; j++)
+    if (bound[j] == NULL) { PyErr_Format(PyExc_TypeError, "%s() missing argument '%s'", names[0], names[j + 1]); return NULL; }
+  return impl(m, bound, params);
+}
+#define KW_ENTRY(name, ...) \
+  static const char *const names_##name[] = {#name, __VA_ARGS__}; \
+  static PyObject *py_##name(PyObject *m, PyObject *const *args, size_t nargsf, PyObject *kwnames) { \
+    return with_keywords(impl_##name, m, args, nargsf, kwnames, names_##name, \
+                         (Py_ssize_t)(sizeof(names_##name) / sizeof(char *))); \
+  }
+
+KW_ENTRY(match_entries, "entries", "keys")
+KW_ENTRY(use, "index", "entries", "pin")
+KW_ENTRY(unpin, "index", "entries")
+KW_ENTRY(save_chain, "index", "keys", "start", "tier")
+KW_ENTRY(evict, "index", "tier", "n")
 
 /* The AgeQueue and hit_density methods themselves, for the policies' own Python seams. */
 static PyObject *ret_entry(PyObject *e) { if (e == NULL && !PyErr_Occurred()) Py_RETURN_NONE; return e; }
@@ -1144,6 +1199,7 @@ static PyObject *py_setup(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   Py_INCREF(EntryT); Py_INCREF(QueueT); Py_INCREF(LruT); Py_INCREF(HdT);
   hd_globals = a[4]; Py_INCREF(hd_globals);
   deque_t = a[5]; Py_INCREF(deque_t);
+  if ((zero = PyLong_FromLong(0)) == NULL || (zero_f = PyFloat_FromDouble(0.0)) == NULL) return NULL;
   if ((deque_append = PyObject_GetAttrString(deque_t, "append")) == NULL) return NULL;
   if ((deque_popleft = PyObject_GetAttrString(deque_t, "popleft")) == NULL) return NULL;
   for (int i = 0; i < 8; i++) { best_of[i] = PyTuple_GET_ITEM(a[6], i); Py_INCREF(best_of[i]); }
@@ -1174,11 +1230,11 @@ static PyObject *py_setup(PyObject *m, PyObject *const *a, Py_ssize_t n) {
 
 static PyMethodDef methods[] = {
   {"setup", (PyCFunction)(void (*)(void))py_setup, METH_FASTCALL, NULL},
-  {"match_entries", (PyCFunction)(void (*)(void))py_match_entries, METH_FASTCALL, NULL},
-  {"use", (PyCFunction)(void (*)(void))py_use, METH_FASTCALL, NULL},
-  {"unpin", (PyCFunction)(void (*)(void))py_unpin, METH_FASTCALL, NULL},
-  {"save_chain", (PyCFunction)(void (*)(void))py_save_chain, METH_FASTCALL, NULL},
-  {"evict", (PyCFunction)(void (*)(void))py_evict, METH_FASTCALL, NULL},
+  {"match_entries", (PyCFunction)(void (*)(void))py_match_entries, METH_FASTCALL | METH_KEYWORDS, NULL},
+  {"use", (PyCFunction)(void (*)(void))py_use, METH_FASTCALL | METH_KEYWORDS, NULL},
+  {"unpin", (PyCFunction)(void (*)(void))py_unpin, METH_FASTCALL | METH_KEYWORDS, NULL},
+  {"save_chain", (PyCFunction)(void (*)(void))py_save_chain, METH_FASTCALL | METH_KEYWORDS, NULL},
+  {"evict", (PyCFunction)(void (*)(void))py_evict, METH_FASTCALL | METH_KEYWORDS, NULL},
   {"aq_add", (PyCFunction)(void (*)(void))py_aq_add, METH_FASTCALL, NULL},
   {"aq_discard", (PyCFunction)(void (*)(void))py_aq_discard, METH_FASTCALL, NULL},
   {"aq_pop", (PyCFunction)(void (*)(void))py_aq_pop, METH_FASTCALL, NULL},
