@@ -24,7 +24,10 @@ abstract units, a block at depth d costing ``1 + depth_weight·d`` (the store's
 default recompute growth unless ``--depth-weight``). In multi-tier mode
 (``--tiers l1=1000,l2=10000,l3=100000``) it also reports hits per tier and the
 cost model's estimated prefill time saved. ``accesses_per_cpu_s`` counts block
-accesses per second of process CPU time over the replay loops (the command
+accesses per second of process CPU time over the replay loops, all policies
+together (``accesses_per_cpu_s_by_policy``: each policy's own; the index runs its
+per-block loops in C when it can build them, ``--no-native`` for its Python ones:
+the same results; the command
 line first moves the objects that outlive every replay, the trace and the
 imported modules, out of the garbage collector's scans: ``gc.freeze``). Traces of other
 shapes come from ``tools/tracegen.py``.
@@ -150,7 +153,7 @@ class Replayer:
     """The store's eviction decisions over accounting-only tiers (capacities in blocks)."""
 
     def __init__(self, policy: str, capacities: Sequence[int], cost: CostModel, half_life: float,
-                 **options) -> None:
+                 native: bool | None = None, **options) -> None:
         self.capacities = list(capacities) + [0] * (len(LOCAL_TIERS) - len(capacities))
         present = [t for t in LOCAL_TIERS if self.capacities[t] > 0]
         self.lower = {t: next((u for u in present if u > t), None) for t in present}
@@ -161,7 +164,7 @@ class Replayer:
         else:
             policies = [make_policy(policy, t, cost=cost, lower=self.lower[t], half_life=half_life, **options)
                         if t in self.lower else None for t in LOCAL_TIERS]
-        self.index = PrefixIndex(policies, half_life)
+        self.index = PrefixIndex(policies, half_life, native=native)
         self.cost = cost
         self.evictions = [0, 0, 0]
 
@@ -274,10 +277,12 @@ class Replayer:
 
 def replay(requests: list[list[bytes]], policy: str, capacities: Sequence[int],
            depth_weight: float | None = None,
-           half_life: float = 2000.0, cost: CostModel | None = None, **options) -> ReplayResult:
+           half_life: float = 2000.0, cost: CostModel | None = None, native: bool | None = None,
+           **options) -> ReplayResult:
     """Replay ``requests`` with ``policy`` over tiers of ``capacities`` blocks (L1, L2, L3).
 
-    ``options`` go to the policy (e.g. ``reuse_exponent`` for cost_aware).
+    ``options`` go to the policy (e.g. ``reuse_exponent`` for cost_aware). ``native``
+    goes to the index: False runs its pure-Python loops (the same decisions, slower).
     """
     if depth_weight is None:
         depth_weight = STORE_DEPTH_WEIGHT
@@ -285,7 +290,10 @@ def replay(requests: list[list[bytes]], policy: str, capacities: Sequence[int],
     units = CostModel.units(depth_weight, BLOCK_TOKENS)
     model = cost if cost is not None else units
     accesses = sum(len(r) for r in requests)
-    sim = Replayer(policy, capacities, model, half_life, **options)
+    sim = Replayer(policy, capacities, model, half_life, native, **options)
+    # The previous replay's index is garbage by now (a heap policy's entries form cycles with
+    # their heap items): collect it here, not inside this replay's timed loop.
+    gc.collect()
     start, cpu_start = time.perf_counter(), time.process_time()
     hits, hit_lengths, saved_us = sim.run(requests, multi)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
@@ -395,6 +403,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="cost_aware: power-law decay of the reuse hazard with age (default: the policy's)")
     p.add_argument("--recompute-us", type=float, default=100.0, help="multi-tier: prefill µs/token at depth 0")
     p.add_argument("--gbps", default="5,1", help="multi-tier: L2,L3 load bandwidth in GB/s (reference layout)")
+    p.add_argument("--no-native", dest="native", action="store_false",
+                   help="run the index's pure-Python loops instead of its C ones (same results; for A/B timing)")
     p.add_argument("--json", dest="json_out", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="draw hit rate and saved FLOPs against capacity (PNG)")
     args = p.parse_args(argv)
@@ -405,7 +415,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _print_table(results: list[ReplayResult], rate: float, cpu_rate: float) -> None:
+def per_policy_rates(results: list[ReplayResult]) -> dict[str, float]:
+    """Block accesses per CPU second of each policy's runs (all its capacities and tier sets together)."""
+    out = {}
+    for policy in dict.fromkeys(r.policy for r in results):
+        rows = [r for r in results if r.policy == policy]
+        cpu = sum(r.cpu_seconds for r in rows)
+        out[policy] = sum(r.accesses for r in rows) / cpu if cpu > 0 else 0.0
+    return out
+
+
+def index_native_loaded() -> bool:
+    """Whether the index's C loops (``tierkv.index_native``) could be built and loaded here."""
+    from tierkv import index_native
+
+    return index_native.load() is not None
+
+
+def _print_table(results: list[ReplayResult], rate: float, cpu_rate: float,
+                 by_policy: dict[str, float] | None = None) -> None:
     single = [r for r in results if len([c for c in r.tiers.values() if c]) == 1]
     multi = [r for r in results if r not in single]
     if single:
@@ -424,6 +452,8 @@ def _print_table(results: list[ReplayResult], rate: float, cpu_rate: float) -> N
         print(f"{r.policy:<12} [{tiers}] hit {r.hit_rate:.1%} saved cost {r.saved_cost:.1%} hits {per} "
               f"est. prefill saved {r.est_saved_prefill_s:.1f} s of {r.est_total_prefill_s:.1f} s")
     print(f"accesses/s: {rate:,.0f} wall ({cpu_rate:,.0f} per CPU second of the process)")
+    if by_policy:
+        print("per CPU second, by policy: " + ", ".join(f"{p} {v:,.0f}" for p, v in by_policy.items()))
 
 
 def plot(results: list[ReplayResult], path: str, title: str) -> None:
@@ -459,6 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # still collected as in a store.
     gc.freeze()
     options = {} if args.reuse_exponent is None else {"reuse_exponent": args.reuse_exponent}
+    options["native"] = None if args.native else False
     results: list[ReplayResult] = []
     for policy in args.policy:
         for cap in args.capacity or []:
@@ -474,10 +505,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     cpu_seconds = sum(r.cpu_seconds for r in results)
     rate = accesses / seconds if seconds > 0 else 0.0
     cpu_rate = accesses / cpu_seconds if cpu_seconds > 0 else 0.0
-    _print_table(results, rate, cpu_rate)
+    by_policy = per_policy_rates(results)
+    _print_table(results, rate, cpu_rate, by_policy)
     if args.json_out:
         out = {"trace": str(args.trace), "depth_weight": args.depth_weight, "half_life": args.half_life,
+               "native": index_native_loaded() if args.native else False,
                "accesses_per_s": rate, "accesses_per_cpu_s": cpu_rate,
+               "accesses_per_cpu_s_by_policy": by_policy,
                "results": [asdict(r) for r in results]}
         Path(args.json_out).write_text(json.dumps(out, indent=1))
     if args.plot:
