@@ -36,7 +36,11 @@ SOURCE = r"""
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
 enum { TAG_BITS = 2, BINS = 64, LEVELS = 2, CLASSES = 4, TIP = 1, SEEN = 2, EXTRA_SHIFT = 2, EXTRA_MASK = 3 };
 
-static PyTypeObject *EntryT, *QueueT, *LruT, *HdT;
+static PyTypeObject *EntryT, *QueueT, *LruT, *HdT, *HeapT, *CostT;
+static PyObject *heap_push_f, *heap_pop_f, *heap_replace_f, *heapify_f, *heap_taken_f;
+static Py_ssize_t P_tier, P_index, P_heap, P_seq, P_size, C_beta, C_inv_beta, C_benefit, C_theta, C_keyed, C_rekeys,
+    C_rekeyed;
+static double theta_weight, rekey_drift;
 static PyObject *zero, *zero_f, *deque_t, *deque_append, *deque_popleft, *hd_globals, *best_of[8];
 /* The clock of the index an evict call runs on, for its policy's reads of ``self.index.clock``. */
 static PyObject *clock_index = NULL;
@@ -48,7 +52,8 @@ static Py_ssize_t H_tier, H_index, H_queues, H_scored, H_scores, H_scored_clock,
     H_hit_hist, H_end_hist, H_density, H_events, H_period, H_updates, H_ghosts, H_counts, H_ghost_hits;
 static PyObject *s_append, *s_popleft, *s_discard, *s_add, *s_touch, *s_pop, *s_pop_after, *s_sweep, *s_update,
     *s_benefit_at, *s_popitem, *s_stored, *s_removed, *s_notify, *s_clock, *s_queue, *s_gf, *s_mg, *s_observe,
-    *s_entries, *s_uncached, *s_policies, *s_admits, *s_events, *s_counts, *s_listeners, *s_observing, *s_decay;
+    *s_entries, *s_uncached, *s_policies, *s_admits, *s_events, *s_counts, *s_listeners, *s_observing, *s_decay,
+    *s_priority, *s_taken, *s_rekey, *s_priority_by_key;
 static int ready = 0;
 
 /* -- small helpers ------------------------------------------------------------------------------ */
@@ -274,6 +279,16 @@ static PyObject *aq_pop_after(PyObject *q, PyObject *e) { /* new reference */
 }
 
 /* -- hit_density (policy/hit_density.py) -------------------------------------------------------- */
+
+static int hd_clock_of(PyObject *idx, long *clock) { /* 0: no index; 1: *clock set; -1: error */
+  if (idx == Py_None) return 0;
+  if (idx == clock_index) { *clock = clock_value; return 1; }
+  PyObject *c = PyObject_GetAttr(idx, s_clock);
+  if (c == NULL) return -1;
+  *clock = PyLong_AsLong(c);
+  Py_DECREF(c);
+  return 1;
+}
 
 static int hd_clock(PyObject *self, long *clock) { /* 0: no index; 1: *clock set; -1: error */
   PyObject *idx = SLOT(self, H_index);
@@ -512,6 +527,199 @@ static int hd_admit(PyObject *self, PyObject *e) {
   return setL(self, H_events, L(self, H_events) + 1);
 }
 
+
+/* -- HeapPolicy (policy/base.py), with cost_aware's priority and taken (policy/cost_aware.py) ---------
+   The heap itself is run by heapq's own functions; priorities of other heap policies (lfu, the
+   replay's oracle) and their ``taken`` hooks are their Python methods. */
+
+static inline PyObject *hp_call2(PyObject *f, PyObject *a, PyObject *b) {
+  PyObject *args[2] = {a, b};
+  return PyObject_Vectorcall(f, args, 2, NULL);
+}
+
+static PyObject *cost_priority(PyObject *self, PyObject *e) { /* new reference */
+  PyObject *table = SLOT(self, C_benefit);
+  long depth = L(e, E_depth);
+  double benefit;
+  if (PyList_CheckExact(table) && depth >= 0 && depth < PyList_GET_SIZE(table))
+    benefit = PyFloat_AsDouble(PyList_GET_ITEM(table, depth));
+  else return PyObject_CallMethod(self, "priority", "O", e);
+  double freq = PyFloat_AsDouble(SLOT(e, E_freq)), keyed = PyFloat_AsDouble(SLOT(self, C_keyed));
+  double inv = PyFloat_AsDouble(SLOT(self, C_inv_beta));
+  if (PyErr_Occurred()) return NULL;
+  double x = (1.0 + freq) * benefit / keyed;
+  if (!(x > 0.0) || !isfinite(x) || !isfinite(inv) || !PyLong_CheckExact(SLOT(e, E_last)))
+    return PyObject_CallMethod(self, "priority", "O", e);  /* float_pow's special cases: Python decides */
+  double y = pow(x, inv);
+  if (!isfinite(y)) return PyObject_CallMethod(self, "priority", "O", e);
+  return PyFloat_FromDouble((double)L(e, E_last) + y);
+}
+
+static PyObject *hp_priority(PyObject *self, PyObject *e) {
+  if (Py_TYPE(self) == CostT) return cost_priority(self, e);
+  PyObject *d = PyObject_GenericGetDict(self, NULL);  /* priority_by_key = (mapping, default)? */
+  if (d == NULL) return NULL;
+  PyObject *by_key = PyDict_GetItemWithError(d, s_priority_by_key);
+  Py_DECREF(d);  /* the instance keeps it */
+  if (by_key == NULL && PyErr_Occurred()) return NULL;
+  if (by_key != NULL && PyTuple_CheckExact(by_key) && PyTuple_GET_SIZE(by_key) == 2 &&
+      PyDict_CheckExact(PyTuple_GET_ITEM(by_key, 0))) {
+    PyObject *v = PyDict_GetItemWithError(PyTuple_GET_ITEM(by_key, 0), SLOT(e, E_key));
+    if (v == NULL) { if (PyErr_Occurred()) return NULL; v = PyTuple_GET_ITEM(by_key, 1); }
+    Py_INCREF(v);
+    return v;
+  }
+  return PyObject_CallMethodOneArg(self, s_priority, e);
+}
+
+static PyObject *cost_taken(PyObject *self, PyObject *e) { /* new reference to e */
+  long now, last = L(e, E_last);
+  int has = hd_clock_of(SLOT(self, P_index), &now);
+  if (has < 0) return NULL;
+  if (!has) now = last;
+  long age = now - last > 1 ? now - last : 1;
+  PyObject *table = SLOT(self, C_benefit);
+  long depth = L(e, E_depth);
+  double benefit;
+  if (PyList_CheckExact(table) && depth >= 0 && depth < PyList_GET_SIZE(table))
+    benefit = PyFloat_AsDouble(PyList_GET_ITEM(table, depth));
+  else {
+    PyObject *r = PyObject_CallMethod(self, "_benefit_per_byte", "l", depth);
+    if (r == NULL) return NULL;
+    benefit = PyFloat_AsDouble(r);
+    Py_DECREF(r);
+  }
+  double freq = PyFloat_AsDouble(SLOT(e, E_freq)), beta = PyFloat_AsDouble(SLOT(self, C_beta));
+  double theta = PyFloat_AsDouble(SLOT(self, C_theta)), keyed = PyFloat_AsDouble(SLOT(self, C_keyed));
+  if (PyErr_Occurred()) return NULL;
+  double worth = (1.0 + freq) * benefit;
+  double score = worth / pow((double)age, beta);
+  theta = theta + theta_weight * (score - theta);
+  if (setO(self, C_theta, PyFloat_FromDouble(theta)) < 0) return NULL;
+  double ratio = theta / keyed;
+  if (ratio > rekey_drift || ratio * rekey_drift < 1.0) {
+    Py_INCREF(SLOT(self, C_theta));
+    if (setO(self, C_keyed, SLOT(self, C_theta)) < 0) return NULL;
+    if (setL(self, C_rekeys, L(self, C_rekeys) + 1) < 0) return NULL;
+    if (setL(self, C_rekeyed, L(self, C_rekeyed) + L(self, P_size)) < 0) return NULL;
+    if (call_drop(PyObject_CallMethodNoArgs(self, s_rekey)) < 0) return NULL;
+  }
+  Py_INCREF(e);
+  return e;
+}
+
+
+static PyObject *hp_taken(PyObject *self, PyObject *e, int plain) { /* new reference */
+  if (plain) { Py_INCREF(e); return e; }
+  if (Py_TYPE(self) == CostT) return cost_taken(self, e);
+  return PyObject_CallMethodOneArg(self, s_taken, e);
+}
+
+static int hp_add(PyObject *self, PyObject *e) {
+  PyObject *prio = hp_priority(self, e);
+  if (prio == NULL) return -1;
+  PyObject *seq = PyIter_Next(SLOT(self, P_seq));
+  if (seq == NULL) { Py_DECREF(prio); if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "heap: sequence ended"); return -1; }
+  PyObject *item = PyList_New(3);
+  if (item == NULL) { Py_DECREF(prio); Py_DECREF(seq); return -1; }
+  PyList_SET_ITEM(item, 0, prio);
+  PyList_SET_ITEM(item, 1, seq);
+  Py_INCREF(e);
+  PyList_SET_ITEM(item, 2, e);
+  setI(handles_of(e), L(self, P_tier), item);
+  int rc = call_drop(hp_call2(heap_push_f, SLOT(self, P_heap), item));
+  Py_DECREF(item);
+  if (rc < 0) return -1;
+  return setL(self, P_size, L(self, P_size) + 1);
+}
+
+static int hp_discard(PyObject *self, PyObject *e) {
+  long tier = L(self, P_tier);
+  PyObject *item = PyList_GET_ITEM(handles_of(e), tier);
+  if (item == Py_None) return 0;
+  if (!PyList_CheckExact(item) || PyList_GET_SIZE(item) != 3) { PyErr_SetString(PyExc_TypeError, "heap: bad handle"); return -1; }
+  setI(item, 2, Py_None);
+  setI(handles_of(e), tier, Py_None);
+  long size = L(self, P_size) - 1;
+  if (setL(self, P_size, size) < 0) return -1;
+  PyObject *heap = SLOT(self, P_heap);
+  Py_ssize_t n = PyList_GET_SIZE(heap);
+  if (n > 64 && n > 4 * size) {
+    PyObject *live = PyList_New(0);
+    if (live == NULL) return -1;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(heap); i++) {
+      PyObject *it = PyList_GET_ITEM(heap, i);
+      if (PyList_GET_ITEM(it, 2) != Py_None && PyList_Append(live, it) < 0) { Py_DECREF(live); return -1; }
+    }
+    if (setO(self, P_heap, live) < 0) return -1;
+    if (call_drop(PyObject_CallOneArg(heapify_f, live)) < 0) return -1;
+  }
+  return 0;
+}
+
+static PyObject *hp_pop(PyObject *self, int plain) { /* new reference; NULL, no error: none */
+  long tier = L(self, P_tier);
+  for (;;) {
+    PyObject *heap = SLOT(self, P_heap);
+    if (!PyList_GET_SIZE(heap)) return NULL;
+    PyObject *item = PyObject_CallOneArg(heap_pop_f, heap);
+    if (item == NULL) return NULL;
+    PyObject *e = PyList_GET_ITEM(item, 2);
+    if (e != Py_None) {
+      Py_INCREF(e);
+      Py_DECREF(item);
+      setI(handles_of(e), tier, Py_None);
+      if (setL(self, P_size, L(self, P_size) - 1) < 0) { Py_DECREF(e); return NULL; }
+      PyObject *r = hp_taken(self, e, plain);
+      Py_DECREF(e);
+      return r;
+    }
+    Py_DECREF(item);
+  }
+}
+
+static PyObject *hp_pop_after(PyObject *self, PyObject *e, int plain) { /* new reference */
+  PyObject *heap = SLOT(self, P_heap);
+  while (PyList_GET_SIZE(heap) && PyList_GET_ITEM(PyList_GET_ITEM(heap, 0), 2) == Py_None) {
+    PyObject *dead = PyObject_CallOneArg(heap_pop_f, heap);
+    if (dead == NULL) return NULL;
+    Py_DECREF(dead);
+  }
+  PyObject *prio = hp_priority(self, e);
+  if (prio == NULL) return NULL;
+  int lower = 1;
+  if (PyList_GET_SIZE(heap)) {
+    lower = PyObject_RichCompareBool(prio, PyList_GET_ITEM(PyList_GET_ITEM(heap, 0), 0), Py_LT);
+    if (lower < 0) { Py_DECREF(prio); return NULL; }
+  }
+  if (lower) { Py_DECREF(prio); return hp_taken(self, e, plain); }
+  PyObject *seq = PyIter_Next(SLOT(self, P_seq));
+  if (seq == NULL) { Py_DECREF(prio); if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "heap: sequence ended"); return NULL; }
+  PyObject *item = PyList_New(3);
+  if (item == NULL) { Py_DECREF(prio); Py_DECREF(seq); return NULL; }
+  PyList_SET_ITEM(item, 0, prio);
+  PyList_SET_ITEM(item, 1, seq);
+  Py_INCREF(e);
+  PyList_SET_ITEM(item, 2, e);
+  long tier = L(self, P_tier);
+  setI(handles_of(e), tier, item);
+  PyObject *out = hp_call2(heap_replace_f, heap, item);
+  Py_DECREF(item);
+  if (out == NULL) return NULL;
+  PyObject *victim = PyList_GET_ITEM(out, 2);
+  Py_INCREF(victim);
+  Py_DECREF(out);
+  if (victim == Py_None || !is_entry(victim)) {
+    Py_DECREF(victim);
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "heap: a dead head after the sweep");
+    return NULL;
+  }
+  setI(handles_of(victim), tier, Py_None);
+  PyObject *r = hp_taken(self, victim, plain);
+  Py_DECREF(victim);
+  return r;
+}
+
 /* _alive(): per class and age bin, the lives not ended (this tier's blocks, ghosts); sample is
    _ALIVE_SAMPLE. The counts are whole numbers, so summing them in another order gives the same floats. */
 static PyObject *py_hd_alive(PyObject *m, PyObject *const *a, Py_ssize_t nargs) {
@@ -588,7 +796,7 @@ static PyObject *py_hd_alive(PyObject *m, PyObject *const *a, Py_ssize_t nargs) 
 
 /* -- a tier's policy, dispatched: an AgeQueue (lru), hit_density, or Python calls ----------------- */
 
-typedef struct { PyObject *policy; PyObject *queue; int kind; } Pol;  /* kind: -1 unset, 0 None, 1 lru, 2 hd, 3 py */
+typedef struct { PyObject *policy; PyObject *queue; int kind; int plain; } Pol;  /* kind: -1 unset, 0 None, 1 lru, 2 hd, 3 py, 4 heap */
 
 static int pol_init(Pol *p, PyObject *policy) {
   p->policy = policy;
@@ -605,6 +813,26 @@ static int pol_init(Pol *p, PyObject *policy) {
     int ok = queues != NULL && PyList_CheckExact(queues) && PyList_GET_SIZE(queues) == CLASSES;
     for (int c = 0; ok && c < CLASSES; c++) ok = Py_TYPE(PyList_GET_ITEM(queues, c)) == QueueT;
     if (ok) p->kind = 2;
+  } else if (PyType_IsSubtype(Py_TYPE(policy), HeapT)) {
+    /* a heap policy that keeps HeapPolicy's seam (its own priority and taken are called) */
+    PyTypeObject *t = Py_TYPE(policy);
+    PyObject *add = _PyType_Lookup(t, s_add), *discard = _PyType_Lookup(t, s_discard);
+    PyObject *pop = _PyType_Lookup(t, s_pop), *pop_after = _PyType_Lookup(t, s_pop_after);
+    PyObject *taken = _PyType_Lookup(t, s_taken), *touch = _PyType_Lookup(t, s_touch);
+    int same = add == _PyType_Lookup(HeapT, s_add) && discard == _PyType_Lookup(HeapT, s_discard) &&
+               pop == _PyType_Lookup(HeapT, s_pop) && pop_after == _PyType_Lookup(HeapT, s_pop_after) &&
+               touch == _PyType_Lookup(HeapT, s_touch);
+    PyObject *d = PyObject_GenericGetDict(policy, NULL);  /* nothing shadowing the seam on the instance */
+    if (d == NULL) { PyErr_Clear(); }
+    else {
+      if (PyDict_GET_SIZE(d) && (PyDict_GetItemWithError(d, s_add) || PyDict_GetItemWithError(d, s_pop) ||
+                                 PyDict_GetItemWithError(d, s_pop_after) || PyDict_GetItemWithError(d, s_discard) ||
+                                 PyDict_GetItemWithError(d, s_priority) || PyDict_GetItemWithError(d, s_taken)))
+        same = 0;
+      Py_DECREF(d);
+      if (PyErr_Occurred()) return -1;
+    }
+    if (same && PyList_CheckExact(SLOT(policy, P_heap))) { p->kind = 4; p->plain = taken == heap_taken_f; }
   }
   return 0;
 }
@@ -615,6 +843,7 @@ static int pol_add(Pol *p, PyObject *e) {
     case 1: return aq_add(p->queue, e);
     case 2: return hd_add(p->policy, e);
     case 3: return call_drop(PyObject_CallMethodOneArg(p->policy, s_add, e));
+    case 4: return hp_add(p->policy, e);
   }
   return 0;
 }
@@ -623,6 +852,7 @@ static int pol_discard(Pol *p, PyObject *e) {
     case 1: return aq_discard(p->queue, e);
     case 2: return hd_discard(p->policy, e);
     case 3: return call_drop(PyObject_CallMethodOneArg(p->policy, s_discard, e));
+    case 4: return hp_discard(p->policy, e);
   }
   return 0;
 }
@@ -630,7 +860,7 @@ static int pol_touch(Pol *p, PyObject *e) {
   switch (p->kind) {
     case 1: return aq_discard(p->queue, e) < 0 ? -1 : aq_add(p->queue, e);
     case 2: return hd_discard(p->policy, e) < 0 ? -1 : hd_add(p->policy, e);
-    case 3: return call_drop(PyObject_CallMethodOneArg(p->policy, s_touch, e));
+    case 3: case 4: return call_drop(PyObject_CallMethodOneArg(p->policy, s_touch, e));
   }
   return 0;
 }
@@ -642,6 +872,7 @@ static PyObject *pol_pop(Pol *p) {
   switch (p->kind) {
     case 1: return aq_pop(p->queue);
     case 2: return hd_take(p->policy, NULL, -1);
+    case 4: return hp_pop(p->policy, p->plain);
     case 3: {
       PyObject *r = PyObject_CallMethodNoArgs(p->policy, s_pop);
       return r == NULL ? NULL : py_entry_or_none(r);
@@ -653,6 +884,7 @@ static PyObject *pol_pop_after(Pol *p, PyObject *e) {
   switch (p->kind) {
     case 1: return aq_pop_after(p->queue, e);
     case 2: return hd_pop_after(p->policy, e);
+    case 4: return hp_pop_after(p->policy, e, p->plain);
     case 3: {
       PyObject *r = PyObject_CallMethodOneArg(p->policy, s_pop_after, e);
       return r == NULL ? NULL : py_entry_or_none(r);
@@ -865,7 +1097,7 @@ static PyObject *impl_save_chain(PyObject *m, PyObject *const *args, Py_ssize_t 
   for (long t = 0; t < 3; t++) {
     Pol *p = pols_get(&ps, t);
     if (p == NULL) goto done;
-    if (p->kind == 3) untrack = 0;
+    if (p->kind >= 3) untrack = 0;  /* a Python or heap policy may keep objects in handles */
   }
   Py_ssize_t n = PySequence_Fast_GET_SIZE(seq), skipped = 0, depth = start;
   PyObject **keys = PySequence_Fast_ITEMS(seq);
@@ -1186,7 +1418,25 @@ static int offset_of(PyTypeObject *t, const char *name, Py_ssize_t *out) {
 
 /* setup(Entry, AgeQueue, LRUPolicy, HitDensityPolicy, hit_density_globals, deque, best, constants) */
 static PyObject *py_setup(PyObject *m, PyObject *const *a, Py_ssize_t n) {
-  if (n != 8) { PyErr_SetString(PyExc_TypeError, "setup: 8 arguments"); return NULL; }
+  if (n != 9) { PyErr_SetString(PyExc_TypeError, "setup: 9 arguments"); return NULL; }
+  /* a[8]: (HeapPolicy, CostAwarePolicy, heapq, _THETA_WEIGHT, _REKEY_DRIFT) */
+  if (!PyTuple_Check(a[8]) || PyTuple_GET_SIZE(a[8]) != 5 || !PyType_Check(PyTuple_GET_ITEM(a[8], 0)) ||
+      !PyType_Check(PyTuple_GET_ITEM(a[8], 1))) { PyErr_SetString(PyExc_TypeError, "setup: heap"); return NULL; }
+  HeapT = (PyTypeObject *)PyTuple_GET_ITEM(a[8], 0); CostT = (PyTypeObject *)PyTuple_GET_ITEM(a[8], 1);
+  Py_INCREF(HeapT); Py_INCREF(CostT);
+  {
+    PyObject *hq = PyTuple_GET_ITEM(a[8], 2);
+    if ((heap_push_f = PyObject_GetAttrString(hq, "heappush")) == NULL) return NULL;
+    if ((heap_pop_f = PyObject_GetAttrString(hq, "heappop")) == NULL) return NULL;
+    if ((heap_replace_f = PyObject_GetAttrString(hq, "heapreplace")) == NULL) return NULL;
+    if ((heapify_f = PyObject_GetAttrString(hq, "heapify")) == NULL) return NULL;
+    theta_weight = PyFloat_AsDouble(PyTuple_GET_ITEM(a[8], 3));
+    rekey_drift = PyFloat_AsDouble(PyTuple_GET_ITEM(a[8], 4));
+    if (PyErr_Occurred()) return NULL;
+    heap_taken_f = _PyType_Lookup(HeapT, PyUnicode_InternFromString("taken"));
+    if (heap_taken_f == NULL) { PyErr_SetString(PyExc_TypeError, "setup: HeapPolicy.taken"); return NULL; }
+    Py_INCREF(heap_taken_f);
+  }
   for (int i = 0; i < 4; i++) if (!PyType_Check(a[i])) { PyErr_SetString(PyExc_TypeError, "setup: types"); return NULL; }
   long want[] = {TAG_BITS, BINS, LEVELS, CLASSES, TIP, SEEN, EXTRA_SHIFT, EXTRA_MASK};
   if (!PyTuple_Check(a[7]) || PyTuple_GET_SIZE(a[7]) != 8) { PyErr_SetString(PyExc_TypeError, "setup: constants"); return NULL; }
@@ -1216,6 +1466,11 @@ static PyObject *py_setup(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   OFF(HdT, "hit_hist", H_hit_hist); OFF(HdT, "end_hist", H_end_hist); OFF(HdT, "density", H_density);
   OFF(HdT, "_events", H_events); OFF(HdT, "_period", H_period); OFF(HdT, "updates", H_updates);
   OFF(HdT, "ghosts", H_ghosts); OFF(HdT, "_counts", H_counts); OFF(HdT, "ghost_hits", H_ghost_hits);
+  OFF(HeapT, "tier", P_tier); OFF(HeapT, "index", P_index); OFF(HeapT, "_heap", P_heap); OFF(HeapT, "_seq", P_seq);
+  OFF(HeapT, "_size", P_size);
+  OFF(CostT, "beta", C_beta); OFF(CostT, "_inv_beta", C_inv_beta); OFF(CostT, "_benefit", C_benefit);
+  OFF(CostT, "theta", C_theta); OFF(CostT, "_keyed_theta", C_keyed); OFF(CostT, "rekeys", C_rekeys);
+  OFF(CostT, "rekeyed", C_rekeyed);
   STR(s_append, "append"); STR(s_popleft, "popleft"); STR(s_discard, "discard"); STR(s_add, "add");
   STR(s_touch, "touch"); STR(s_pop, "pop"); STR(s_pop_after, "pop_after"); STR(s_sweep, "_sweep");
   STR(s_update, "_update"); STR(s_benefit_at, "_benefit_at"); STR(s_popitem, "popitem"); STR(s_stored, "stored");
@@ -1223,7 +1478,8 @@ static PyObject *py_setup(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   STR(s_gf, "GHOST_FACTOR"); STR(s_mg, "MAX_GHOSTS"); STR(s_observe, "observe"); STR(s_entries, "_entries");
   STR(s_uncached, "_uncached_parents"); STR(s_policies, "policies"); STR(s_admits, "_admits");
   STR(s_events, "events"); STR(s_counts, "counts"); STR(s_listeners, "_removal_listeners");
-  STR(s_observing, "_observing"); STR(s_decay, "_decay");
+  STR(s_observing, "_observing"); STR(s_decay, "_decay"); STR(s_priority, "priority"); STR(s_taken, "taken");
+  STR(s_rekey, "rekey"); STR(s_priority_by_key, "priority_by_key");
   ready = 1;
   Py_RETURN_NONE;
 }
@@ -1262,16 +1518,19 @@ def load() -> ModuleType | None:
         _tried = True
         mod = native.load_extension("_tierkv_index", SOURCE)
         if mod is not None:
+            import heapq
             from collections import deque
 
             from tierkv.index import _BEST, Entry
-            from tierkv.policy import hit_density
+            from tierkv.policy import cost_aware, hit_density
+            from tierkv.policy.base import HeapPolicy
             from tierkv.policy.age_queue import TAG_BITS, AgeQueue
             from tierkv.policy.lru import LRUPolicy
 
             constants = (TAG_BITS, hit_density.BINS, hit_density._LEVELS, hit_density.CLASSES, hit_density._TIP,
                          hit_density._SEEN, hit_density._EXTRA_SHIFT, hit_density._EXTRA_MASK)
             mod.setup(Entry, AgeQueue, LRUPolicy, hit_density.HitDensityPolicy, vars(hit_density), deque,
-                      tuple(_BEST), constants)
+                      tuple(_BEST), constants,
+                      (HeapPolicy, cost_aware.CostAwarePolicy, heapq, cost_aware._THETA_WEIGHT, cost_aware._REKEY_DRIFT))
         _module = mod
     return _module
