@@ -44,6 +44,8 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from itertools import repeat
+from operator import neg
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -120,32 +122,33 @@ def load_trace(path: str | Path) -> list[list[bytes]]:
 class BeladyPolicy(HeapPolicy):
     """Offline oracle: evicts the evictable leaf whose next use lies furthest in the future.
 
-    Replay-only (it reads the future): ``next_use`` maps a block key to the index
-    of the next request that uses it, and the replay updates it as each request
-    runs, before any of that request's blocks is listed again. Leaf-only like
-    every policy here (a block's next use is never later than its children's,
-    so the cache stays prefix-closed at no loss to the rule).
+    Replay-only (it reads the future): ``ranks`` maps a block key to minus the
+    index of the next request that uses it (its priority), and the replay updates
+    it as each request runs, before any of that request's blocks is listed again.
+    Leaf-only like every policy here (a block's next use is never later than its
+    children's, so the cache stays prefix-closed at no loss to the rule).
     """
 
     name = ORACLE
 
-    def __init__(self, tier: int, next_use: dict[bytes, float], **_context) -> None:
+    def __init__(self, tier: int, ranks: dict[bytes, float], **_context) -> None:
         super().__init__(tier)
-        self.next_use = next_use
+        self.ranks = ranks
+        self.priority_by_key = (ranks, -NEVER)  # what priority() computes, for the index's C loops
 
     def priority(self, entry):
-        return -self.next_use.get(entry.key, NEVER)
+        return self.ranks.get(entry.key, -NEVER)
 
 
 def next_uses(requests: list[list[bytes]]) -> list[list[float]]:
     """For each request and block: the index of the next request using that block (inf: none)."""
     seen: dict[bytes, float] = {}
     out: list[list[float]] = [[] for _ in requests]
-    for i in range(len(requests) - 1, -1, -1):
+    get = seen.get
+    for i in range(len(requests) - 1, -1, -1):  # per block in C: map and update over the request's keys
         keys = requests[i]
-        out[i] = [seen.get(key, NEVER) for key in keys]
-        for key in keys:
-            seen[key] = i
+        out[i] = list(map(get, keys, repeat(NEVER)))
+        seen.update(zip(keys, repeat(i)))
     return out
 
 
@@ -237,13 +240,15 @@ class Replayer:
         """``run`` with the oracle: the same steps, each block's next use set as its request starts."""
         future, index, cost = self.future, self.index, self.cost
         get, top, cap = index._entries.get, LOCAL_TIERS[0], self.capacities[0]
+        match, use, save_chain, unpin, evict = index.match_entries, index.use, index.save_chain, index.unpin, index.evict
+        counts = index.counts
         hits = [0, 0, 0]
         hit_lengths: list[int] = []
         saved_us = 0.0
         evicted = 0
         for keys, later in zip(requests, next_uses(requests)):
-            future.update(zip(keys, later))
-            entries = index.match_entries(keys)
+            future.update(zip(keys, map(neg, later)))  # each block's priority: minus its next use
+            entries = match(keys)
             if multi:
                 tiers = [e.best for e in entries]
                 del entries[cost.cut(tiers):]
@@ -254,7 +259,7 @@ class Replayer:
             else:
                 hits[top] += len(entries)
             hit_lengths.append(len(entries))
-            index.use(entries, True)
+            use(entries, True)
             if multi:  # blocks cached past the cut stay listed: re-rank them by their new next use
                 for key in keys[len(entries):]:
                     entry = get(key)
@@ -262,14 +267,14 @@ class Replayer:
                         for t, policy in enumerate(index.policies):
                             if entry.handles[t] is not None:
                                 policy.touch(entry)
-            entries += index.save_chain(keys, 0 if multi else len(entries), top)
+            entries += save_chain(keys, 0 if multi else len(entries), top)
             if multi:
-                while index.counts[top] > cap and self._evict(top):
+                while counts[top] > cap and self._evict(top):
                     pass
-            elif index.counts[top] > cap:
-                evicted += len(index.evict(top, index.counts[top] - cap))
-            index.unpin(entries)
-            while index.counts[top] > cap and self._evict(top):
+            elif counts[top] > cap:
+                evicted += len(evict(top, counts[top] - cap))
+            unpin(entries)
+            while counts[top] > cap and self._evict(top):
                 pass
         self.evictions[top] += evicted
         return hits, hit_lengths, saved_us
