@@ -196,9 +196,36 @@ static int aq_discard(PyObject *q, PyObject *e) {
   return 0;
 }
 
-static PyObject *bucket_of(PyObject *q, PyObject *keyobj) { /* borrowed; KeyError as buckets[key] */
-  PyObject *b = PyDict_GetItemWithError(SLOT(q, Q_buckets), keyobj);
-  if (b == NULL && !PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, keyobj);
+/* buckets[keys[0]], the head bucket (every caller passes keys[0]); borrowed; KeyError as buckets[key].
+   Remembered per queue with the dict's version tag: the key heap changes only together with the
+   dict (a bucket made or dropped with each push and pop; a sweep makes a new dict), and a dict's
+   version is new after every change to any dict, so an unchanged version means the same head. */
+#if PY_VERSION_HEX < 0x030C0000
+#define HEAD_CACHE 64
+static struct { PyObject *q, *dict, *bucket; uint64_t version; } head_cache[HEAD_CACHE];
+#endif
+static PyObject *bucket_of(PyObject *q, PyObject *keyobj) {
+  PyObject *buckets = SLOT(q, Q_buckets);
+#if PY_VERSION_HEX < 0x030C0000
+  size_t h = ((uintptr_t)q >> 4) % HEAD_CACHE;
+  int exact = PyDict_CheckExact(buckets);
+  if (exact && head_cache[h].q == q && head_cache[h].dict == buckets &&
+      ((PyDictObject *)buckets)->ma_version_tag == head_cache[h].version)
+    return head_cache[h].bucket;
+#endif
+  PyObject *b = PyDict_GetItemWithError(buckets, keyobj);
+  if (b == NULL) {
+    if (!PyErr_Occurred()) PyErr_SetObject(PyExc_KeyError, keyobj);
+    return NULL;
+  }
+#if PY_VERSION_HEX < 0x030C0000
+  if (exact) {
+    head_cache[h].q = q;
+    head_cache[h].dict = buckets;
+    head_cache[h].bucket = b;
+    head_cache[h].version = ((PyDictObject *)buckets)->ma_version_tag;
+  }
+#endif
   return b;
 }
 
