@@ -158,7 +158,8 @@ def test_entries_of_int_handle_policies_stay_out_of_the_collector():
     for name, tracked in (("lru", False), ("hit_density", False), ("cost_aware", True)):
         index = PrefixIndex([make_policy(name, t) for t in (L1, L2, L3)])
         (entry,) = index.save_chain(_keys(["x"]), 0, L1)
-        assert gc.is_tracked(entry) is tracked, name
+        assert gc.is_tracked(entry) is tracked and gc.is_tracked(entry.handles) is tracked, name
+        assert not gc.is_tracked(entry.children)
         assert PrefixIndex([make_policy(name, L1), None, None], native=False).save_chain(_keys(["x"]), 0, L1)
 
 

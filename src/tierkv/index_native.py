@@ -37,7 +37,7 @@ SOURCE = r"""
 enum { TAG_BITS = 2, BINS = 64, LEVELS = 2, CLASSES = 4, TIP = 1, SEEN = 2, EXTRA_SHIFT = 2, EXTRA_MASK = 3 };
 
 static PyTypeObject *EntryT, *QueueT, *LruT, *HdT, *HeapT, *CostT;
-static PyObject *heap_push_f, *heap_pop_f, *heap_replace_f, *heapify_f, *heap_taken_f;
+static PyObject *heapify_f, *heap_taken_f;
 static Py_ssize_t P_tier, P_index, P_heap, P_seq, P_size, C_beta, C_inv_beta, C_benefit, C_theta, C_keyed, C_rekeys,
     C_rekeyed;
 static double theta_weight, rekey_drift;
@@ -556,12 +556,101 @@ static int hd_admit(PyObject *self, PyObject *e) {
 
 
 /* -- HeapPolicy (policy/base.py), with cost_aware's priority and taken (policy/cost_aware.py) ---------
-   The heap itself is run by heapq's own functions; priorities of other heap policies (lfu, the
-   replay's oracle) and their ``taken`` hooks are their Python methods. */
+   The heap is run by _heapq's algorithm below; priorities of other heap policies (lfu, the replay's
+   oracle, unless it declares priority_by_key) and their ``taken`` hooks are their Python methods. */
 
-static inline PyObject *hp_call2(PyObject *f, PyObject *a, PyObject *b) {
-  PyObject *args[2] = {a, b};
-  return PyObject_Vectorcall(f, args, 2, NULL);
+
+/* heapq on heap items [priority, seq, entry]: _heapq's own algorithm (the same layouts), with the
+   list comparison it would make done in C when priorities and sequence numbers are plain floats or
+   ints (exact as doubles); anything else is compared by Python, as _heapq does. */
+static inline int as_double(PyObject *o, double *d) {
+  if (PyFloat_CheckExact(o)) { *d = PyFloat_AS_DOUBLE(o); return 1; }
+  if (PyLong_CheckExact(o)) {
+    int overflow;
+    long v = PyLong_AsLongAndOverflow(o, &overflow);
+    if (overflow || v > (1L << 53) || v < -(1L << 53)) return 0;
+    *d = (double)v;
+    return 1;
+  }
+  return 0;
+}
+static int item_lt(PyObject *a, PyObject *b) { /* a < b as Python compares the two lists */
+  if (!PyList_CheckExact(a) || !PyList_CheckExact(b) || PyList_GET_SIZE(a) != 3 || PyList_GET_SIZE(b) != 3)
+    return PyObject_RichCompareBool(a, b, Py_LT);
+  for (int i = 0; i < 2; i++) {
+    PyObject *x = PyList_GET_ITEM(a, i), *y = PyList_GET_ITEM(b, i);
+    if (x == y) continue;
+    double u, v;
+    if (as_double(x, &u) && as_double(y, &v)) {
+      if (u == v) continue;
+      if (u != u || v != v) return 0;  /* a NaN: not equal, and not less */
+      return u < v;
+    }
+    return PyObject_RichCompareBool(a, b, Py_LT);
+  }
+  return PyObject_RichCompareBool(a, b, Py_LT);
+}
+static int hq_siftdown(PyObject *heap, Py_ssize_t startpos, Py_ssize_t pos) {
+  Py_ssize_t size = PyList_GET_SIZE(heap);
+  while (pos > startpos) {
+    PyObject **arr = ((PyListObject *)heap)->ob_item;
+    Py_ssize_t parentpos = (pos - 1) >> 1;
+    PyObject *newitem = arr[pos], *parent = arr[parentpos];
+    Py_INCREF(newitem); Py_INCREF(parent);
+    int cmp = item_lt(newitem, parent);
+    Py_DECREF(parent); Py_DECREF(newitem);
+    if (cmp < 0) return -1;
+    if (size != PyList_GET_SIZE(heap)) { PyErr_SetString(PyExc_RuntimeError, "list changed size during iteration"); return -1; }
+    if (cmp == 0) break;
+    arr = ((PyListObject *)heap)->ob_item;
+    parent = arr[parentpos]; newitem = arr[pos];
+    arr[parentpos] = newitem; arr[pos] = parent;
+    pos = parentpos;
+  }
+  return 0;
+}
+static int hq_siftup(PyObject *heap, Py_ssize_t pos) {
+  Py_ssize_t endpos = PyList_GET_SIZE(heap), startpos = pos, limit = endpos >> 1;
+  while (pos < limit) {
+    PyObject **arr = ((PyListObject *)heap)->ob_item;
+    Py_ssize_t childpos = 2 * pos + 1;
+    if (childpos + 1 < endpos) {
+      PyObject *a = arr[childpos], *b = arr[childpos + 1];
+      Py_INCREF(a); Py_INCREF(b);
+      int cmp = item_lt(a, b);
+      Py_DECREF(a); Py_DECREF(b);
+      if (cmp < 0) return -1;
+      childpos += ((unsigned)cmp ^ 1);
+      arr = ((PyListObject *)heap)->ob_item;
+      if (endpos != PyList_GET_SIZE(heap)) { PyErr_SetString(PyExc_RuntimeError, "list changed size during iteration"); return -1; }
+    }
+    PyObject *t1 = arr[childpos], *t2 = arr[pos];
+    arr[childpos] = t2; arr[pos] = t1;
+    pos = childpos;
+  }
+  return hq_siftdown(heap, startpos, pos);
+}
+static int hq_push(PyObject *heap, PyObject *item) {
+  if (PyList_Append(heap, item) < 0) return -1;
+  return hq_siftdown(heap, 0, PyList_GET_SIZE(heap) - 1);
+}
+static PyObject *hq_pop(PyObject *heap) { /* new reference; the list must be non-empty */
+  Py_ssize_t n = PyList_GET_SIZE(heap);
+  PyObject *last = PyList_GET_ITEM(heap, n - 1);
+  Py_INCREF(last);
+  if (PyList_SetSlice(heap, n - 1, n, NULL) < 0) { Py_DECREF(last); return NULL; }
+  if (n - 1 == 0) return last;
+  PyObject *top = PyList_GET_ITEM(heap, 0);
+  PyList_SET_ITEM(heap, 0, last);
+  if (hq_siftup(heap, 0) < 0) { Py_DECREF(top); return NULL; }
+  return top;
+}
+static PyObject *hq_replace(PyObject *heap, PyObject *item) { /* new reference; non-empty list */
+  PyObject *top = PyList_GET_ITEM(heap, 0);
+  Py_INCREF(item);
+  PyList_SET_ITEM(heap, 0, item);
+  if (hq_siftup(heap, 0) < 0) { Py_DECREF(top); return NULL; }
+  return top;
 }
 
 static PyObject *cost_priority(PyObject *self, PyObject *e) { /* new reference */
@@ -654,7 +743,7 @@ static int hp_add(PyObject *self, PyObject *e) {
   Py_INCREF(e);
   PyList_SET_ITEM(item, 2, e);
   setI(handles_of(e), L(self, P_tier), item);
-  int rc = call_drop(hp_call2(heap_push_f, SLOT(self, P_heap), item));
+  int rc = hq_push(SLOT(self, P_heap), item);
   Py_DECREF(item);
   if (rc < 0) return -1;
   return setL(self, P_size, L(self, P_size) + 1);
@@ -689,8 +778,10 @@ static PyObject *hp_pop(PyObject *self, int plain) { /* new reference; NULL, no 
   for (;;) {
     PyObject *heap = SLOT(self, P_heap);
     if (!PyList_GET_SIZE(heap)) return NULL;
-    PyObject *item = PyObject_CallOneArg(heap_pop_f, heap);
+    if (!PyList_CheckExact(heap)) { PyErr_SetString(PyExc_TypeError, "heap: not a list"); return NULL; }
+    PyObject *item = hq_pop(heap);
     if (item == NULL) return NULL;
+    if (!PyList_CheckExact(item) || PyList_GET_SIZE(item) != 3) { Py_DECREF(item); PyErr_SetString(PyExc_TypeError, "heap: bad item"); return NULL; }
     PyObject *e = PyList_GET_ITEM(item, 2);
     if (e != Py_None) {
       Py_INCREF(e);
@@ -708,7 +799,7 @@ static PyObject *hp_pop(PyObject *self, int plain) { /* new reference; NULL, no 
 static PyObject *hp_pop_after(PyObject *self, PyObject *e, int plain) { /* new reference */
   PyObject *heap = SLOT(self, P_heap);
   while (PyList_GET_SIZE(heap) && PyList_GET_ITEM(PyList_GET_ITEM(heap, 0), 2) == Py_None) {
-    PyObject *dead = PyObject_CallOneArg(heap_pop_f, heap);
+    PyObject *dead = hq_pop(heap);
     if (dead == NULL) return NULL;
     Py_DECREF(dead);
   }
@@ -730,7 +821,7 @@ static PyObject *hp_pop_after(PyObject *self, PyObject *e, int plain) { /* new r
   PyList_SET_ITEM(item, 2, e);
   long tier = L(self, P_tier);
   setI(handles_of(e), tier, item);
-  PyObject *out = hp_call2(heap_replace_f, heap, item);
+  PyObject *out = hq_replace(heap, item);
   Py_DECREF(item);
   if (out == NULL) return NULL;
   PyObject *victim = PyList_GET_ITEM(out, 2);
@@ -940,10 +1031,12 @@ static int check_policies(PyObject *policies) {
 
 /* -- the index's loops (index.py) ---------------------------------------------------------------- */
 
-/* A new Entry, as Entry(key, parent, depth, last, mask, ref) would make it. With ``untrack`` (every
-   tier's policy keeps ints in ``handles``: lru, hit_density) the entry and its two lists hold only
-   atomic values, can be in no reference cycle, and are freed by reference counting alone: they are
-   left out of the garbage collector's scans, which otherwise revisit every cached block. */
+/* A new Entry, as Entry(key, parent, depth, last, mask, ref) would make it. Its ``children`` holds
+   ints only, and with ``untrack`` (every tier's policy keeps ints in ``handles``: lru, hit_density)
+   the entry and both lists hold only atomic values: such objects can be in no reference cycle and
+   are freed by reference counting alone, so they are left out of the garbage collector's scans,
+   which otherwise revisit every cached block. (A heap policy's handle is a list holding the entry:
+   that entry and its handles stay tracked, or a dropped index's cycles would never be freed.) */
 static PyObject *new_entry(PyObject *key, PyObject *parent, long depth, PyObject *last, long mask, long ref,
                            int untrack) {
   PyObject *e = EntryT->tp_alloc(EntryT, 0);
@@ -967,8 +1060,8 @@ static PyObject *new_entry(PyObject *key, PyObject *parent, long depth, PyObject
   }
   SLOT(e, E_children) = children;
   SLOT(e, E_handles) = handles;
+  PyObject_GC_UnTrack(children);  /* ints only, whatever the policies: never in a cycle */
   if (untrack) {
-    PyObject_GC_UnTrack(children);
     PyObject_GC_UnTrack(handles);
     PyObject_GC_UnTrack(e);
   }
@@ -1453,9 +1546,6 @@ static PyObject *py_setup(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   Py_INCREF(HeapT); Py_INCREF(CostT);
   {
     PyObject *hq = PyTuple_GET_ITEM(a[8], 2);
-    if ((heap_push_f = PyObject_GetAttrString(hq, "heappush")) == NULL) return NULL;
-    if ((heap_pop_f = PyObject_GetAttrString(hq, "heappop")) == NULL) return NULL;
-    if ((heap_replace_f = PyObject_GetAttrString(hq, "heapreplace")) == NULL) return NULL;
     if ((heapify_f = PyObject_GetAttrString(hq, "heapify")) == NULL) return NULL;
     theta_weight = PyFloat_AsDouble(PyTuple_GET_ITEM(a[8], 3));
     rekey_drift = PyFloat_AsDouble(PyTuple_GET_ITEM(a[8], 4));
