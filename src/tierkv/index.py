@@ -1,4 +1,7 @@
-"""The prefix index: block hash -> Entry (docs/design.md §4). Pure Python; decides nothing.
+"""The prefix index: block hash -> Entry (docs/design.md §4). Decides nothing.
+
+Its per-block loops run in C when that builds (``tierkv.index_native``: the same
+statements on the same objects), in the Python below otherwise.
 
 An entry knows its parent, its depth, which local tiers hold it, its L1 slot,
 how many running requests pin it, when it was last used, a decayed use count
