@@ -176,3 +176,37 @@ def test_replay_results_are_the_same_with_and_without_c(tmp_path, name):
             r.seconds = r.cpu_seconds = 0.0
         assert a == b, caps
         assert a.hit_rate > 0
+
+
+def test_indexes_on_two_threads_decide_as_each_alone():
+    # Listeners run Python inside the C evict, where the interpreter may switch threads:
+    # another index's evict then runs meanwhile. Each must still decide as it does alone.
+    import sys
+    import threading
+
+    def run(seed: int, out: list) -> None:
+        rng = random.Random(seed)
+        index = PrefixIndex([make_policy(n, t) for n, t in (("hit_density", L1), ("cost_aware", L2), ("lru", L3))],
+                            half_life=50.0)
+        removed: list[bytes] = []
+        index.add_removal_listener(lambda key: removed.append(hashlib.blake2b(key).digest()[:4]))
+        steps: list = []
+        for _ in range(400):
+            _step(index, rng, steps)
+        out.extend([steps, removed, snapshot(index)])
+
+    alone = [[], []]
+    for seed, out in zip((3, 4), alone):
+        run(seed, out)
+    together = [[], []]
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=run, args=(seed, out)) for seed, out in zip((3, 4), together)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert together == alone

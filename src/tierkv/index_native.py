@@ -42,9 +42,10 @@ static Py_ssize_t P_tier, P_index, P_heap, P_seq, P_size, C_beta, C_inv_beta, C_
     C_rekeyed;
 static double theta_weight, rekey_drift;
 static PyObject *zero, *zero_f, *deque_t, *deque_append, *deque_popleft, *hd_globals, *best_of[8];
-/* The clock of the index an evict call runs on, for its policy's reads of ``self.index.clock``. */
-static PyObject *clock_index = NULL;
-static long clock_value = 0;
+/* The clock of the index an evict call runs on, for its policy's reads of ``self.index.clock``
+   (per thread: a callback may let another thread run another index's evict meanwhile). */
+static __thread PyObject *clock_index = NULL;
+static __thread long clock_value = 0;
 static Py_ssize_t E_key, E_parent, E_depth, E_mask, E_best, E_l1, E_ref, E_last, E_freq, E_hits, E_tag,
     E_children, E_handles;
 static Py_ssize_t Q_tier, Q_tag, Q_buckets, Q_keys, Q_live, Q_stored;
@@ -387,8 +388,8 @@ static double hd_score(PyObject *self, long c, long age, long depth) {
 
 /* GHOST_FACTOR and MAX_GHOSTS (module globals, read per use like the Python code; an evict call
    reads them once: nothing it calls assigns them). */
-static int limits_cached = 0;
-static long cached_factor, cached_cap;
+static __thread int limits_cached = 0;
+static __thread long cached_factor, cached_cap;
 
 static int ghost_limits(long *factor, long *cap) {
   if (limits_cached) { *factor = cached_factor; *cap = cached_cap; return 0; }
