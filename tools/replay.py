@@ -24,7 +24,11 @@ abstract units, a block at depth d costing ``1 + depth_weight·d`` (the store's
 default recompute growth unless ``--depth-weight``). In multi-tier mode
 (``--tiers l1=1000,l2=10000,l3=100000``) it also reports hits per tier and the
 cost model's estimated prefill time saved. ``accesses_per_cpu_s`` counts block
-accesses per second of process CPU time over the replay loops (the command
+accesses per second of process CPU time over the replay loops, all policies
+together (``accesses_per_cpu_s_by_policy``: each policy's own; the index runs its
+per-block loops in C when it can build them, ``--no-native`` for its Python ones:
+the same results; the oracle's reading ahead, like loading the trace, is not
+timed; the command
 line first moves the objects that outlive every replay, the trace and the
 imported modules, out of the garbage collector's scans: ``gc.freeze``). Traces of other
 shapes come from ``tools/tracegen.py``.
@@ -41,6 +45,8 @@ import json
 import sys
 import time
 from collections.abc import Sequence
+from itertools import repeat
+from operator import neg
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -117,32 +123,33 @@ def load_trace(path: str | Path) -> list[list[bytes]]:
 class BeladyPolicy(HeapPolicy):
     """Offline oracle: evicts the evictable leaf whose next use lies furthest in the future.
 
-    Replay-only (it reads the future): ``next_use`` maps a block key to the index
-    of the next request that uses it, and the replay updates it as each request
-    runs, before any of that request's blocks is listed again. Leaf-only like
-    every policy here (a block's next use is never later than its children's,
-    so the cache stays prefix-closed at no loss to the rule).
+    Replay-only (it reads the future): ``ranks`` maps a block key to minus the
+    index of the next request that uses it (its priority), and the replay updates
+    it as each request runs, before any of that request's blocks is listed again.
+    Leaf-only like every policy here (a block's next use is never later than its
+    children's, so the cache stays prefix-closed at no loss to the rule).
     """
 
     name = ORACLE
 
-    def __init__(self, tier: int, next_use: dict[bytes, float], **_context) -> None:
+    def __init__(self, tier: int, ranks: dict[bytes, float], **_context) -> None:
         super().__init__(tier)
-        self.next_use = next_use
+        self.ranks = ranks
+        self.priority_by_key = (ranks, -NEVER)  # what priority() computes, for the index's C loops
 
     def priority(self, entry):
-        return -self.next_use.get(entry.key, NEVER)
+        return self.ranks.get(entry.key, -NEVER)
 
 
 def next_uses(requests: list[list[bytes]]) -> list[list[float]]:
     """For each request and block: the index of the next request using that block (inf: none)."""
     seen: dict[bytes, float] = {}
     out: list[list[float]] = [[] for _ in requests]
-    for i in range(len(requests) - 1, -1, -1):
+    get = seen.get
+    for i in range(len(requests) - 1, -1, -1):  # per block in C: map and update over the request's keys
         keys = requests[i]
-        out[i] = [seen.get(key, NEVER) for key in keys]
-        for key in keys:
-            seen[key] = i
+        out[i] = list(map(get, keys, repeat(NEVER)))
+        seen.update(zip(keys, repeat(i)))
     return out
 
 
@@ -150,18 +157,19 @@ class Replayer:
     """The store's eviction decisions over accounting-only tiers (capacities in blocks)."""
 
     def __init__(self, policy: str, capacities: Sequence[int], cost: CostModel, half_life: float,
-                 **options) -> None:
+                 native: bool | None = None, **options) -> None:
         self.capacities = list(capacities) + [0] * (len(LOCAL_TIERS) - len(capacities))
         present = [t for t in LOCAL_TIERS if self.capacities[t] > 0]
         self.lower = {t: next((u for u in present if u > t), None) for t in present}
         self.future: dict[bytes, float] | None = None
+        self.ahead: list[list[float]] | None = None  # the oracle's priorities per request and block
         if policy == ORACLE:
             self.future = {}
             policies = [BeladyPolicy(t, self.future) if t in self.lower else None for t in LOCAL_TIERS]
         else:
             policies = [make_policy(policy, t, cost=cost, lower=self.lower[t], half_life=half_life, **options)
                         if t in self.lower else None for t in LOCAL_TIERS]
-        self.index = PrefixIndex(policies, half_life)
+        self.index = PrefixIndex(policies, half_life, native=native)
         self.cost = cost
         self.evictions = [0, 0, 0]
 
@@ -230,17 +238,25 @@ class Replayer:
         self.evictions[top] += evicted
         return hits, hit_lengths, saved_us
 
+    def read_ahead(self, requests: list[list[bytes]]) -> list[list[float]]:
+        """The oracle's knowledge of the trace: minus each block's next use, per request (``ahead``)."""
+        self.ahead = [list(map(neg, later)) for later in next_uses(requests)]
+        return self.ahead
+
     def _run_oracle(self, requests: list[list[bytes]], multi: bool) -> tuple[list[int], list[int], float]:
         """``run`` with the oracle: the same steps, each block's next use set as its request starts."""
         future, index, cost = self.future, self.index, self.cost
         get, top, cap = index._entries.get, LOCAL_TIERS[0], self.capacities[0]
+        match, use, save_chain, unpin, evict = index.match_entries, index.use, index.save_chain, index.unpin, index.evict
+        counts = index.counts
         hits = [0, 0, 0]
         hit_lengths: list[int] = []
         saved_us = 0.0
         evicted = 0
-        for keys, later in zip(requests, next_uses(requests)):
-            future.update(zip(keys, later))
-            entries = index.match_entries(keys)
+        ahead = self.ahead if self.ahead is not None else self.read_ahead(requests)
+        for keys, ranks in zip(requests, ahead):
+            future.update(zip(keys, ranks))  # each block's priority: minus its next use
+            entries = match(keys)
             if multi:
                 tiers = [e.best for e in entries]
                 del entries[cost.cut(tiers):]
@@ -251,7 +267,7 @@ class Replayer:
             else:
                 hits[top] += len(entries)
             hit_lengths.append(len(entries))
-            index.use(entries, True)
+            use(entries, True)
             if multi:  # blocks cached past the cut stay listed: re-rank them by their new next use
                 for key in keys[len(entries):]:
                     entry = get(key)
@@ -259,14 +275,14 @@ class Replayer:
                         for t, policy in enumerate(index.policies):
                             if entry.handles[t] is not None:
                                 policy.touch(entry)
-            entries += index.save_chain(keys, 0 if multi else len(entries), top)
+            entries += save_chain(keys, 0 if multi else len(entries), top)
             if multi:
-                while index.counts[top] > cap and self._evict(top):
+                while counts[top] > cap and self._evict(top):
                     pass
-            elif index.counts[top] > cap:
-                evicted += len(index.evict(top, index.counts[top] - cap))
-            index.unpin(entries)
-            while index.counts[top] > cap and self._evict(top):
+            elif counts[top] > cap:
+                evicted += len(evict(top, counts[top] - cap))
+            unpin(entries)
+            while counts[top] > cap and self._evict(top):
                 pass
         self.evictions[top] += evicted
         return hits, hit_lengths, saved_us
@@ -274,10 +290,12 @@ class Replayer:
 
 def replay(requests: list[list[bytes]], policy: str, capacities: Sequence[int],
            depth_weight: float | None = None,
-           half_life: float = 2000.0, cost: CostModel | None = None, **options) -> ReplayResult:
+           half_life: float = 2000.0, cost: CostModel | None = None, native: bool | None = None,
+           **options) -> ReplayResult:
     """Replay ``requests`` with ``policy`` over tiers of ``capacities`` blocks (L1, L2, L3).
 
-    ``options`` go to the policy (e.g. ``reuse_exponent`` for cost_aware).
+    ``options`` go to the policy (e.g. ``reuse_exponent`` for cost_aware). ``native``
+    goes to the index: False runs its pure-Python loops (the same decisions, slower).
     """
     if depth_weight is None:
         depth_weight = STORE_DEPTH_WEIGHT
@@ -285,7 +303,12 @@ def replay(requests: list[list[bytes]], policy: str, capacities: Sequence[int],
     units = CostModel.units(depth_weight, BLOCK_TOKENS)
     model = cost if cost is not None else units
     accesses = sum(len(r) for r in requests)
-    sim = Replayer(policy, capacities, model, half_life, **options)
+    sim = Replayer(policy, capacities, model, half_life, native, **options)
+    if sim.future is not None:  # the oracle reads the trace ahead before it runs, as the trace itself is loaded
+        sim.read_ahead(requests)
+    # The previous replay's index is garbage by now (a heap policy's entries form cycles with
+    # their heap items): collect it here, not inside this replay's timed loop.
+    gc.collect()
     start, cpu_start = time.perf_counter(), time.process_time()
     hits, hit_lengths, saved_us = sim.run(requests, multi)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
@@ -395,6 +418,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="cost_aware: power-law decay of the reuse hazard with age (default: the policy's)")
     p.add_argument("--recompute-us", type=float, default=100.0, help="multi-tier: prefill µs/token at depth 0")
     p.add_argument("--gbps", default="5,1", help="multi-tier: L2,L3 load bandwidth in GB/s (reference layout)")
+    p.add_argument("--no-native", dest="native", action="store_false",
+                   help="run the index's pure-Python loops instead of its C ones (same results; for A/B timing)")
     p.add_argument("--json", dest="json_out", default=None, help="write results here")
     p.add_argument("--plot", default=None, help="draw hit rate and saved FLOPs against capacity (PNG)")
     args = p.parse_args(argv)
@@ -405,7 +430,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _print_table(results: list[ReplayResult], rate: float, cpu_rate: float) -> None:
+def per_policy_rates(results: list[ReplayResult]) -> dict[str, float]:
+    """Block accesses per CPU second of each policy's runs (all its capacities and tier sets together)."""
+    out = {}
+    for policy in dict.fromkeys(r.policy for r in results):
+        rows = [r for r in results if r.policy == policy]
+        cpu = sum(r.cpu_seconds for r in rows)
+        out[policy] = sum(r.accesses for r in rows) / cpu if cpu > 0 else 0.0
+    return out
+
+
+def index_native_loaded() -> bool:
+    """Whether the index's C loops (``tierkv.index_native``) could be built and loaded here."""
+    from tierkv import index_native
+
+    return index_native.load() is not None
+
+
+def _print_table(results: list[ReplayResult], rate: float, cpu_rate: float,
+                 by_policy: dict[str, float] | None = None) -> None:
     single = [r for r in results if len([c for c in r.tiers.values() if c]) == 1]
     multi = [r for r in results if r not in single]
     if single:
@@ -424,6 +467,8 @@ def _print_table(results: list[ReplayResult], rate: float, cpu_rate: float) -> N
         print(f"{r.policy:<12} [{tiers}] hit {r.hit_rate:.1%} saved cost {r.saved_cost:.1%} hits {per} "
               f"est. prefill saved {r.est_saved_prefill_s:.1f} s of {r.est_total_prefill_s:.1f} s")
     print(f"accesses/s: {rate:,.0f} wall ({cpu_rate:,.0f} per CPU second of the process)")
+    if by_policy:
+        print("per CPU second, by policy: " + ", ".join(f"{p} {v:,.0f}" for p, v in by_policy.items()))
 
 
 def plot(results: list[ReplayResult], path: str, title: str) -> None:
@@ -459,6 +504,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # still collected as in a store.
     gc.freeze()
     options = {} if args.reuse_exponent is None else {"reuse_exponent": args.reuse_exponent}
+    options["native"] = None if args.native else False
     results: list[ReplayResult] = []
     for policy in args.policy:
         for cap in args.capacity or []:
@@ -474,10 +520,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     cpu_seconds = sum(r.cpu_seconds for r in results)
     rate = accesses / seconds if seconds > 0 else 0.0
     cpu_rate = accesses / cpu_seconds if cpu_seconds > 0 else 0.0
-    _print_table(results, rate, cpu_rate)
+    by_policy = per_policy_rates(results)
+    _print_table(results, rate, cpu_rate, by_policy)
     if args.json_out:
         out = {"trace": str(args.trace), "depth_weight": args.depth_weight, "half_life": args.half_life,
+               "native": index_native_loaded() if args.native else False,
                "accesses_per_s": rate, "accesses_per_cpu_s": cpu_rate,
+               "accesses_per_cpu_s_by_policy": by_policy,
                "results": [asdict(r) for r in results]}
         Path(args.json_out).write_text(json.dumps(out, indent=1))
     if args.plot:

@@ -1,4 +1,7 @@
-"""The prefix index: block hash -> Entry (docs/design.md §4). Pure Python; decides nothing.
+"""The prefix index: block hash -> Entry (docs/design.md §4). Decides nothing.
+
+Its per-block loops run in C when that builds (``tierkv.index_native``: the same
+statements on the same objects), in the Python below otherwise.
 
 An entry knows its parent, its depth, which local tiers hold it, its L1 slot,
 how many running requests pin it, when it was last used, a decayed use count
@@ -18,6 +21,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterable, Sequence
 from enum import IntEnum
+from functools import partial
 from typing import Protocol
 
 log = logging.getLogger("tierkv")
@@ -96,9 +100,14 @@ class PrefixIndex:
 
     ``policies[t]`` ranks the evictable blocks of local tier ``t``; ``None``
     for an absent tier. ``half_life`` (in lookups) sets how fast ``freq`` decays.
+    ``native``: run the per-block loops (``match_entries``, ``use``, ``save_chain``,
+    ``unpin``, ``evict``) in C (``tierkv.index_native``, the same decisions on the
+    same objects) when it can be built; None (default) uses it when available,
+    False never (the pure-Python path, which tests compare it with).
     """
 
-    def __init__(self, policies: Sequence[Ranking | None], half_life: float = 2000.0) -> None:
+    def __init__(self, policies: Sequence[Ranking | None], half_life: float = 2000.0,
+                 native: bool | None = None) -> None:
         if len(policies) != len(LOCAL_TIERS):
             raise ValueError(f"index.policies: expected {len(LOCAL_TIERS)} entries, got {len(policies)}")
         if half_life <= 0:
@@ -114,7 +123,8 @@ class PrefixIndex:
         for policy in self.policies:
             if policy is not None:
                 policy.bind(self)
-        self._observers = tuple(p.observe for p in self.policies if p is not None and hasattr(p, "observe"))
+        self._observing = tuple(p for p in self.policies if p is not None and hasattr(p, "observe"))
+        self._observers = tuple(p.observe for p in self._observing)
         self._admits = [getattr(p, "admit", None) for p in self.policies]
         self._decay = 0.5 ** (1.0 / half_life)
         # Copy-on-write under its own lock: drop() reads the tuple without taking any.
@@ -123,6 +133,21 @@ class PrefixIndex:
         self.listener_errors = 0
         # Optional tierkv.events.TierEvents: told of every (key, tier) this index adds or drops.
         self.events = None
+        if native is False:
+            self._c = None
+        else:
+            from tierkv import index_native  # imports the policies it speeds up: not at module import
+
+            self._c = index_native.load()
+        if self._c is not None:
+            # The hot methods straight to C, no Python frame per call: instance attributes that
+            # shadow the methods below (which, called on the class, take the same C path).
+            c = self._c
+            self.match_entries = partial(c.match_entries, self._entries)
+            self.use = partial(c.use, self)
+            self.save_chain = partial(c.save_chain, self)
+            self.unpin = partial(c.unpin, self)
+            self.evict = partial(c.evict, self)
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -189,6 +214,8 @@ class PrefixIndex:
 
     def match_entries(self, keys: Sequence[bytes]) -> list[Entry]:
         """The entries of the longest cached prefix of ``keys`` (``match`` without the tiers)."""
+        if self._c is not None:
+            return self._c.match_entries(self._entries, keys)
         get = self._entries.get
         out: list[Entry] = []
         append = out.append
@@ -207,6 +234,8 @@ class PrefixIndex:
         caller's lookup) is not pinned again. Returns the entries it pinned, for
         the caller to ``unpin`` when the request ends.
         """
+        if self._c is not None:
+            return self._c.save_chain(self, keys, start, tier)
         entries, uncached, policies = self._entries, self._uncached_parents, self.policies
         get = entries.get
         bit, clock, admit, policy = 1 << tier, self.clock, self._admits[tier], self.policies[tier]
@@ -278,6 +307,8 @@ class PrefixIndex:
         ``drop`` for each victim, in order. Returns the victims (fewer when
         nothing more is evictable).
         """
+        if self._c is not None:
+            return self._c.evict(self, tier, n)
         policy, drop_ = self.policies[tier], self._drop
         victims: list[Entry] = []
         if policy is None or n <= 0:
@@ -391,6 +422,8 @@ class PrefixIndex:
 
     def unpin(self, entries: Iterable[Entry]) -> None:
         """Release one pin of each of ``entries``; a block left unpinned is listed where it is a leaf."""
+        if self._c is not None:
+            return self._c.unpin(self, entries)
         policies = self.policies
         for entry in entries:
             ref = entry.ref_count - 1
@@ -418,6 +451,8 @@ class PrefixIndex:
         (listed or not) before their use times change; each block gains a use
         (``freq`` decays by the half-life and gains 1, ``hits`` gains 1).
         """
+        if self._c is not None:
+            return self._c.use(self, entries, pin)
         self.clock += 1
         clock, decay, policies = self.clock, self._decay, self.policies
         if self._observers:

@@ -48,7 +48,16 @@ class EvictionPolicy(ABC):
 
 
 class HeapPolicy(EvictionPolicy):
-    """Evicts the listed block with the lowest ``priority``; O(log n) with lazy deletion."""
+    """Evicts the listed block with the lowest ``priority``; O(log n) with lazy deletion.
+
+    A subclass whose priority is a lookup by block key may say so with an instance
+    attribute ``priority_by_key = (mapping, default)`` (``priority(entry)`` must then be
+    ``mapping.get(entry.key, default)``): the index's C loops read the mapping instead
+    of calling ``priority`` (the replay's oracle does this).
+    """
+
+    # Slots: the C hot path (tierkv.index_native) reads these by offset.
+    __slots__ = ("tier", "index", "_heap", "_seq", "_size")
 
     def __init__(self, tier: int) -> None:
         super().__init__(tier)

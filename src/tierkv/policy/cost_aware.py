@@ -47,6 +47,8 @@ _REKEY_DRIFT = 1.5
 
 class CostAwarePolicy(HeapPolicy):
     name = "cost_aware"
+    # Slots: the C hot path (tierkv.index_native) computes priority and taken from these.
+    __slots__ = ("cost", "lower", "beta", "_inv_beta", "_benefit", "theta", "_keyed_theta", "rekeys", "rekeyed")
 
     def __init__(self, tier: int, cost: CostModel | None = None, lower: int | None = None,
                  reuse_exponent: float = DEFAULT_REUSE_EXPONENT, **_context) -> None:

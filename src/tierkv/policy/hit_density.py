@@ -101,6 +101,10 @@ class HitDensityPolicy(EvictionPolicy):
     """Ranks one tier's evictable leaves by learned hit density × keep benefit. Not thread-safe."""
 
     name = "hit_density"
+    # Slots: the C hot path (tierkv.index_native) reads and writes these by offset.
+    __slots__ = ("tier", "index", "cost", "lower", "_queues", "_scored", "_scores", "_scored_clock",
+                 "_scored_version", "_benefit", "hit_hist", "end_hist", "density", "_events", "_period",
+                 "updates", "ghosts", "_counts", "ghost_hits")
 
     def __init__(self, tier: int, cost: CostModel | None = None, lower: int | None = None, **_context) -> None:
         """``cost`` prices a reuse kept in this tier (the store's model; a flat one if None);
@@ -190,6 +194,9 @@ class HitDensityPolicy(EvictionPolicy):
         ``_update`` runs at most once per as many events as there are lives,
         or index entries and ghosts if those are more (the work of this scan).
         """
+        hot = getattr(self.index, "_c", None)  # the index's C loops (tierkv.index_native): the same counts
+        if hot is not None:
+            return hot.hd_alive(self, _ALIVE_SAMPLE)
         alive = [[0.0] * BINS for _ in range(CLASSES)]
         if self.index is None:
             return alive
