@@ -1627,6 +1627,15 @@ PyMODINIT_FUNC PyInit__tierkv_index(void) { return PyModule_Create(&module); }
 
 _module: ModuleType | None = None
 _tried = False
+_setup = None  # registered by tierkv.policy: hands the module the index's and policies' classes
+
+
+def set_setup(fn) -> None:
+    """Register ``fn(module)``, which gives the built module the classes and constants it works on.
+    tierkv.policy registers it when imported (it imports tierkv.index; this module imports neither,
+    so no import cycle); every index has a policy, so it is registered before any index loads us."""
+    global _setup
+    _setup = fn
 
 
 def load() -> ModuleType | None:
@@ -1635,20 +1644,7 @@ def load() -> ModuleType | None:
     if not _tried:
         _tried = True
         mod = native.load_extension("_tierkv_index", SOURCE)
-        if mod is not None:
-            import heapq
-            from collections import deque
-
-            from tierkv.index import _BEST, Entry
-            from tierkv.policy import cost_aware, hit_density
-            from tierkv.policy.base import HeapPolicy
-            from tierkv.policy.age_queue import TAG_BITS, AgeQueue
-            from tierkv.policy.lru import LRUPolicy
-
-            constants = (TAG_BITS, hit_density.BINS, hit_density._LEVELS, hit_density.CLASSES, hit_density._TIP,
-                         hit_density._SEEN, hit_density._EXTRA_SHIFT, hit_density._EXTRA_MASK)
-            mod.setup(Entry, AgeQueue, LRUPolicy, hit_density.HitDensityPolicy, vars(hit_density), deque,
-                      tuple(_BEST), constants,
-                      (HeapPolicy, cost_aware.CostAwarePolicy, heapq, cost_aware._THETA_WEIGHT, cost_aware._REKEY_DRIFT))
-        _module = mod
+        if mod is not None and _setup is not None:
+            _setup(mod)
+            _module = mod
     return _module
