@@ -52,9 +52,7 @@ def vllm_holds(e, block_id: int, block: torch.Tensor) -> bool:
 @pytest.mark.parametrize("save_async", [False, True])
 def test_round_trip_canonical_vllm_canonical_is_byte_identical(engine, save_async):
     e = engine(save_async=save_async)
-    blocks = canonical(e, 4, seed=0)
-    keys = e.store.hash(list(range(4 * BLOCK)))
-    assert e.store.put_blocks(keys, list(blocks)) == [True] * 4
+    blocks, keys = stored(e, 4, seed=0)
     run_step(e, TierKVMetadata(loads=[LoadSpec("x", keys, 1, [9, 2, 5], False)]))
     assert e.worker.get_block_ids_with_load_errors() == set()
     assert [vllm_holds(e, b, blocks[1 + j]) for j, b in enumerate([9, 2, 5])] == [True] * 3
@@ -84,6 +82,14 @@ def test_missing_blocks_are_reported_as_load_errors(engine):
     assert e.worker.build_connector_worker_meta().loads_done == {"z"}
 
 
+def stored(e, n: int, seed: int) -> tuple[torch.Tensor, list[bytes]]:
+    """``n`` canonical blocks put into the store as the chain of tokens 0 .. n * BLOCK - 1."""
+    blocks = canonical(e, n, seed=seed)
+    keys = e.store.hash(list(range(n * BLOCK)))
+    assert e.store.put_blocks(keys, list(blocks)) == [True] * n
+    return blocks, keys
+
+
 def layer_holds(e, layer: int, block_id: int, block: torch.Tensor) -> bool:
     key_cache, value_cache = e.layer_kv(LAYERS[layer])
     return (torch.equal(key_cache[block_id].transpose(0, 1), block[layer, 0])
@@ -100,9 +106,7 @@ def test_a_synchronous_load_is_written_layer_by_layer_beside_the_forward(engine,
         monkeypatch.setattr(worker_module, "_MIN_SLICE", 4096)
     e = engine(l2="0" if tier != "l2" else "16MiB", save_async=False)
     assert e.worker._worker._parts == (len(LAYERS) if tier == "l3-sliced" else 1)
-    blocks = canonical(e, 3, seed=3)
-    keys = e.store.hash(list(range(3 * BLOCK)))
-    assert e.store.put_blocks(keys, list(blocks)) == [True] * 3
+    blocks, keys = stored(e, 3, seed=3)
     e.store.flush()
     m = e.store.lookup_keys(keys)
     assert m.tiers == [Tier.L2 if tier == "l2" else Tier.L3] * 3
@@ -125,9 +129,7 @@ def test_a_sliced_l3_load_written_before_it_was_verified_reports_the_bad_block_a
     # then fails its checksum, and every block after it, is reported, so vLLM recomputes from there.
     monkeypatch.setattr(worker_module, "_MIN_SLICE", 4096)
     e = engine(l2="0", save_async=False)
-    blocks = canonical(e, 3, seed=6)
-    keys = e.store.hash(list(range(3 * BLOCK)))
-    assert e.store.put_blocks(keys, list(blocks)) == [True] * 3
+    blocks, keys = stored(e, 3, seed=6)
     e.store.flush()
     l3 = e.store.tiers[Tier.L3]
     slot = {r.key: r.slot for r in l3.records()}
@@ -149,9 +151,7 @@ def test_a_layer_the_forward_did_not_wait_for_makes_the_load_an_error_and_ends_l
     # the feed wrote it: the load's blocks are reported (vLLM drops the output and recomputes), and
     # later loads are written whole before start_load_kv returns.
     e = engine(save_async=False)
-    blocks = canonical(e, 2, seed=4)
-    keys = e.store.hash(list(range(2 * BLOCK)))
-    assert e.store.put_blocks(keys, list(blocks)) == [True] * 2
+    blocks, keys = stored(e, 2, seed=4)
     w = e.worker
     w.bind_connector_metadata(TierKVMetadata(loads=[LoadSpec("a", keys, 0, [1, 2], False)]))
     w.start_load_kv(None)
@@ -171,9 +171,7 @@ def test_a_layer_the_forward_did_not_wait_for_makes_the_load_an_error_and_ends_l
 
 def test_load_by_layer_never_writes_the_load_before_start_load_kv_returns(engine):
     e = engine(save_async=False, load_by_layer="never")
-    blocks = canonical(e, 2, seed=5)
-    keys = e.store.hash(list(range(2 * BLOCK)))
-    assert e.store.put_blocks(keys, list(blocks)) == [True] * 2
+    blocks, keys = stored(e, 2, seed=5)
     w = e.worker
     w.bind_connector_metadata(TierKVMetadata(loads=[LoadSpec("n", keys, 0, [3, 8], False)]))
     w.start_load_kv(None)
@@ -240,9 +238,7 @@ def test_loads_land_in_page_aligned_slots_or_fall_back_to_a_fresh_tensor(engine,
     # Either way vLLM's blocks end up with the same bytes.
     e = engine(l2="0", save_async=False, landing_blocks=landing_blocks)
     w = e.worker._worker
-    blocks = canonical(e, 3, seed=7)
-    keys = e.store.hash(list(range(3 * BLOCK)))
-    assert e.store.put_blocks(keys, list(blocks)) == [True] * 3
+    blocks, keys = stored(e, 3, seed=7)
     run_step(e, TierKVMetadata(loads=[LoadSpec("r", keys, 0, [9, 2, 5], True)]))
     (load,) = w._async.values()
     assert w.landing.owns(load.staging) == lands
