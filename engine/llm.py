@@ -91,8 +91,13 @@ class LLM:
     def step(self) -> list[Sequence]:
         """Run one scheduled batch; returns the sequences that got a new token.
 
-        With nothing runnable but loads in flight it blocks until a load lands.
+        With nothing runnable but loads in flight it blocks until a load lands. The step is the
+        store's foreground work: background IO is paced meanwhile (``io.background_share``).
         """
+        with self.store.foreground():
+            return self._step()
+
+    def _step(self) -> list[Sequence]:
         sched = self.scheduler
         batch = sched.schedule()
         if not batch:

@@ -224,6 +224,24 @@ class CostConfig:
 
 
 @dataclass(frozen=True)
+class IOConfig:
+    """Background IO against foreground work (``tierkv.pacing``).
+
+    ``background_share``: while foreground work runs (the engine's forward, a
+    caller's put, a load), background IO (demotions written behind,
+    write-through, persist, L4 sends) is spaced to fill at most this share of
+    wall time; with no foreground work it runs flat out. 1.0 turns pacing off.
+    """
+
+    background_share: float = 0.25
+
+    def __post_init__(self) -> None:
+        share = _check_float(self.background_share, "io.background_share", 0.0, strict=True)
+        if share > 1.0:
+            raise ValueError(f"io.background_share: expected a number in (0, 1], got {self.background_share!r}")
+
+
+@dataclass(frozen=True)
 class StoreConfig:
     """Everything a TierKVStore needs besides its layout."""
 
@@ -237,6 +255,7 @@ class StoreConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     hashing: HashingConfig = field(default_factory=HashingConfig)
     cost: CostConfig = field(default_factory=CostConfig)
+    io: IOConfig = field(default_factory=IOConfig)
     l3_enabled: bool = True
 
     def __post_init__(self) -> None:
@@ -293,7 +312,7 @@ class StoreConfig:
 
 _SECTIONS: dict[str, type] = {
     "l1": L1Config, "l2": L2Config, "l3": L3Config, "l4": L4Config,
-    "policy": PolicyConfig, "hashing": HashingConfig, "cost": CostConfig,
+    "policy": PolicyConfig, "hashing": HashingConfig, "cost": CostConfig, "io": IOConfig,
 }
 
 

@@ -3,7 +3,8 @@
 The deciding side (``placement.py``) builds a ``Plan`` under the store lock:
 an ordered list of ``Move`` (copy one block into a tier) and ``Drop`` (remove
 blocks from a tier that is slow to change, L3). ``Mover.submit`` hands it to
-the IO thread, which runs every op in plan order with no store lock held —
+the IO thread, which runs every op in plan order with no store lock held, each
+run of ops one background piece of the store's ``Pacer`` —
 reading each source (a pinned slot in place, a staged copy, or a ``get`` from
 a tier that cannot lend its bytes), one batched ``put`` per run of moves into
 one tier (one fdatasync, one network round) — and then calls the commit
@@ -31,6 +32,7 @@ import torch
 from tierkv.index import Entry, Tier
 from tierkv.layout import KVLayout
 from tierkv.metrics import TIER_NAMES
+from tierkv.pacing import UNPACED, Pacer
 from tierkv.tiers.base import BlockTier, FailureHook, Lineage
 
 
@@ -101,8 +103,9 @@ class Mover:
 
     def __init__(self, tiers: dict[int, BlockTier], layout: KVLayout, io: Callable[..., Future],
                  sync: Callable[[], None], commit: Commit, on_failure: FailureHook,
-                 staged_block: Callable[[int], torch.Tensor]) -> None:
+                 staged_block: Callable[[int], torch.Tensor], pacer: Pacer = UNPACED) -> None:
         self.tiers = tiers
+        self._pacer = pacer
         self.layout = layout
         self._io = io
         self._sync = sync
@@ -140,11 +143,12 @@ class Mover:
         flags: list[bool] = []
         try:
             for run in _runs(plan.ops):
-                if isinstance(run[0], Drop):
-                    self._drop(run)
-                else:
-                    moves += run
-                    flags += self._put(run)
+                with self._pacer.piece():  # background: spaced while foreground work runs
+                    if isinstance(run[0], Drop):
+                        self._drop(run)
+                    else:
+                        moves += run
+                        flags += self._put(run)
         finally:
             with self._lock:
                 self._pending_l3 -= plan.l3_delta

@@ -18,6 +18,7 @@ import torch
 from tierkv.hashing import BlockHash
 from tierkv.index import Entry, PrefixIndex, Tier
 from tierkv.metrics import TIER_NAMES, Metrics
+from tierkv.pacing import UNPACED, Pacer
 from tierkv.tiers.base import BlockTier, leading_ok
 from tierkv.transfer import LoadHandle, LoadResult, TransferEngine, gather_futures, now
 
@@ -86,8 +87,9 @@ class Loader:
 
     def __init__(self, tiers: dict[int, BlockTier], index: PrefixIndex, lock: threading.RLock,
                  transfer: TransferEngine, metrics: Metrics, block_bytes: int,
-                 on_failure: Callable[[str, str, int, str], None]) -> None:
+                 on_failure: Callable[[str, str, int, str], None], pacer: Pacer = UNPACED) -> None:
         self.tiers = tiers
+        self._pacer = pacer
         self.index = index
         self.lock = lock
         self.metrics = metrics
@@ -158,10 +160,13 @@ class Loader:
         # On a shared slab another process may free and reuse a slot while this copy waits (pins
         # are per process): every tier's get verifies what it copied.
         in_parts = getattr(self.tiers[tier], "get_in_parts", None) if parts > 1 else None
+        runner = self._runner[tier]
+        # A read queued on the IO thread behind background writes ends their pacing pauses.
+        urgent = self._pacer.urgent if tier in (Tier.L3, Tier.L4) else (lambda fn: fn)
         if in_parts is not None:  # a tier that can say how far a read got (L3)
-            fut = self._runner[tier](in_parts, keys, views, parts, lambda n: part_landed(tier, n))
+            fut = runner(urgent(in_parts), keys, views, parts, lambda n: part_landed(tier, n))
         else:
-            fut = self._runner[tier](self.tiers[tier].get, keys, views)
+            fut = runner(urgent(self.tiers[tier].get), keys, views)
 
         def record(f) -> None:
             try:

@@ -27,6 +27,7 @@ from tierkv.index import Entry, PrefixIndex, Tier
 from tierkv.layout import KVLayout
 from tierkv.metrics import TIER_NAMES, Metrics
 from tierkv.moves import Mover, Plan
+from tierkv.pacing import Pacer
 from tierkv.placement import Placement
 from tierkv.reads import Loader, Match, probe_shared
 from tierkv.tierset import make_policies, open_tiers
@@ -57,12 +58,15 @@ class TierKVStore:
         self.index = PrefixIndex(make_policies(cfg, self.tiers, self.cost), cfg.policy.half_life)
         self.events = self.index.events = TierEvents(self._lock)
         self.transfer = TransferEngine(device)
+        self.pacer = Pacer(cfg.io.background_share)
+        if Tier.L3 in self.tiers:
+            self.tiers[Tier.L3].pacer = self.pacer
         self.mover = Mover(self.tiers, layout, self.transfer.io, self.transfer.d2h_sync, self._commit,
-                           self._on_failure, lambda slot: self.outbox.block(slot))
+                           self._on_failure, lambda slot: self.outbox.block(slot), self.pacer)
         self.placement = Placement(self.tiers, self.index, self.mover, self.outbox, self.metrics, self.events,
                                    layout.block_bytes, self.transfer.d2h_sync, self._on_failure)
         self.loader = Loader(self.tiers, self.index, self._lock, self.transfer, self.metrics,
-                             layout.block_bytes, self._on_failure)
+                             layout.block_bytes, self._on_failure, self.pacer)
         if Tier.L3 in self.tiers:
             self._rebuild_from_l3()
 
@@ -261,8 +265,9 @@ class TierKVStore:
     def put_blocks(self, keys: Sequence[BlockHash], blocks: Sequence[torch.Tensor], start: int = 0) -> list[bool]:
         """Store blocks that live outside L1 (e.g. gathered from vLLM's cache) in the highest tier
         below L1. Synchronous for L2 and L3 (on return, written; L3 durably, without the lock
-        held); an L4 put is queued, as every L4 put. Returns stored (or already held) per block."""
-        with self._lock:
+        held); an L4 put is queued, as every L4 put. Returns stored (or already held) per block.
+        The copies into L2 are foreground work (``foreground``); the demotions they cause are not."""
+        with self.pacer.foreground(), self._lock:
             plan = Plan()
             out, in_l2 = self.placement.put_blocks(keys, blocks, start, plan)
             if self.config.policy.write == "write_through":
@@ -271,6 +276,13 @@ class TierKVStore:
         if done is not None:
             done.result()
         return out
+
+    def foreground(self):
+        """Context manager: the enclosed work is foreground (a request waits for it, e.g. the engine's
+        forward), and background IO (demotions written behind, write-through, persist, L4 sends)
+        fills at most ``io.background_share`` of wall time meanwhile (``tierkv.pacing``). Reentrant;
+        any thread; holds no lock."""
+        return self.pacer.foreground()
 
     def release(self, m: Match) -> None:
         """Unpin everything ``m`` pinned (idempotent)."""

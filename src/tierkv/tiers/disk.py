@@ -35,6 +35,7 @@ import lmdb
 import torch
 
 from tierkv.layout import KVLayout
+from tierkv.pacing import UNPACED, Pacer
 from tierkv.tiers.base import FailureHook, Lineage, as_bytes, checksum, round_up
 from tierkv.tiers.disk_open import (
     DAMAGE, Damaged, check_before_mapping, foreign_layout, has_data, open_checked, read_count,
@@ -64,6 +65,7 @@ def _parse(key: bytes, raw: bytes) -> Record | None:
 
 class DiskTier:
     name = "l3"
+    pacer: Pacer = UNPACED  # the owning store's: a put's slices and checksums are background pieces
 
     def __init__(self, path: str | os.PathLike, layout: KVLayout, num_blocks: int,
                  meta: dict[str, str] | None = None, direct_io: bool = True,
@@ -528,13 +530,18 @@ class DiskTier:
         if not direct:
             return sums
         todo = [(keys[j], view) for _, j, view in direct]
-        future = _verifier().submit(_checksums, todo) if len(direct) > 1 else None
+        pacer = self.pacer
+        future = _verifier().submit(_checksums, todo, pacer) if len(direct) > 1 else None
         direct.sort(key=lambda item: item[0])
+        # Paced, a write goes in slices of about _PACED_BYTES, each a piece that foreground work
+        # waits at most one of; unpaced, in runs of up to _MAX_RUN blocks.
+        limit = max(1, _PACED_BYTES // self.stride) if pacer.enabled else _MAX_RUN
         try:
-            for run in _runs(direct):
-                self._pwrite([item[2] for item in run], run[0][0], len(run))
+            for run in _runs(direct, limit):
+                with pacer.piece():
+                    self._pwrite([item[2] for item in run], run[0][0], len(run))
         finally:
-            found = future.result() if future is not None else _checksums(todo)
+            found = future.result() if future is not None else _checksums(todo, pacer)
         for (_, j, _), crc in zip(sorted(direct, key=lambda item: item[1]), found):
             sums[j] = crc
         return sums
@@ -621,6 +628,7 @@ def _skip(views: list, n: int) -> list[memoryview]:
 
 _MAX_RUN = 64  # blocks per preadv/pwritev (well under IOV_MAX; 32 MiB at 512 KiB blocks)
 _PIECE_BYTES = 4 << 20  # a read in flight: big enough that a thread hand-off costs nothing beside it
+_PACED_BYTES = 1 << 20  # a paced write slice: well under a millisecond of foreground delay
 
 
 def _runs(items: list[tuple], limit: int = _MAX_RUN) -> Iterator[list[tuple]]:
@@ -640,8 +648,14 @@ def _pieces(items: list[tuple], stride: int) -> Iterator[list[tuple]]:
     yield from _runs(items, max(1, min(_MAX_RUN, _PIECE_BYTES // stride)))
 
 
-def _checksums(items: list[tuple[bytes, memoryview]]) -> list[int]:
-    return [checksum(key, view) for key, view in items]
+def _checksums(items: list[tuple[bytes, memoryview]], pacer: Pacer = UNPACED) -> list[int]:
+    if not pacer.enabled:
+        return [checksum(key, view) for key, view in items]
+    out = []
+    for key, view in items:
+        with pacer.piece():
+            out.append(checksum(key, view))
+    return out
 
 
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (owning pid, pool): a forked child makes its own
