@@ -5,18 +5,28 @@ Two measurements, each against the same work with the disk idle, interleaved rou
 busy_ttft_ms / idle_ttft_ms
     Time to first token of requests whose prompt is all in L1 (the bundled engine running
     SmolLM2-135M-Instruct, fp32, block size 16, one thread), while another thread shares the engine's store and pushes blocks into a
-    full L2 (so every put demotes an L2 victim to L3) and persists chains to L3. Before tierkv
-    wrote demotions behind, each of those disk writes (pwritev + fdatasync) ran under the store
-    lock the engine's lookup needs. Median of all timed requests. Target: busy <= 1.15 x idle.
+    full L2 (so every put demotes an L2 victim to L3) and persists chains to L3, flat out. The
+    engine's step is the store's foreground work, so the store paces that background IO to
+    ``io.background_share`` (default 0.25) of wall time while a step runs (``tierkv.pacing``).
+    Median of all timed requests. Target: busy <= 1.15 x idle.
+unpaced_busy_ttft_ms
+    The same with pacing off (``background_share = 1.0``, as before pacing existed), in the same
+    rounds: what the write-back costs when nothing yields. Reported beside busy, no target.
+pusher_gbps / unpaced_pusher_gbps
+    What the pusher moved (bytes put into L2 per second, each also demoted and persisted) in the
+    busy and unpaced phases: the price of pacing, paid by the background tenant.
 raw_io_busy_ttft_ms
-    The same requests while a bare thread (``RawPusher``, no store) copies, checksums and
-    O_DIRECT-writes chains of the same blocks at the rate the store's pusher sustained in that
-    round: what that IO alone costs an L1-hit request on this host (CPU, memory bandwidth, the
-    GIL). Reported beside busy, no target.
+    The same requests while a bare thread (``RawPusher``, no store, no pacing) copies, checksums
+    and O_DIRECT-writes chains of the same blocks at the rate the store's pusher sustained in that
+    round's busy phase: what that IO alone, spread evenly, costs an L1-hit request on this host
+    (CPU, memory bandwidth, the GIL). Reported beside busy, no target.
 l2_put_busy_gbps / l2_put_idle_gbps
     ``put_blocks`` into L2 (room for every block, 256 KiB blocks) by one thread, while another
     thread persists chains to a full L3 on the same store (each persist evicts the other chain's
-    copies and writes its own, durably). Median of rounds. Target: busy >= 0.9 x idle.
+    copies and writes its own, durably). A put is foreground work; the persists are paced.
+    Median of rounds. Target: busy >= 0.9 x idle.
+l2_put_unpaced_gbps
+    The same puts with pacing off, in the same rounds. Reported, no target.
 l2_put_raw_io_gbps
     The same puts while a bare ``RawPusher`` copies, checksums and O_DIRECT-writes (one
     fdatasync per chain) chains of the same size at the rate the persist stream sustained in that
@@ -147,6 +157,14 @@ class Pusher(threading.Thread):
             self.chains += 1
             self.chains_per_s = self.chains / (time.perf_counter() - t0)
 
+    def mark(self) -> None:
+        """Call at the start and the end of the timed requests: ``timed_chains_per_s`` is the rate between."""
+        now = (time.perf_counter(), self.chains)
+        if getattr(self, "_mark", None) is not None:
+            (t0, c0) = self._mark
+            self.timed_chains_per_s = (now[1] - c0) / (now[0] - t0)
+        self._mark = now
+
     def check(self, sample: int = 64) -> None:
         """A sample of what it wrote is byte-identical wherever the store still has it."""
         s = self.store
@@ -184,31 +202,43 @@ def ttft_rounds(args, work: Path) -> dict:
         fill_rng = random.Random(9)
         while llm.store.stats()["usage"]["l2"][0] < llm.store.l2.capacity:
             llm.store.put_blocks(fresh_keys(fill_rng, 16), blocks[:16])
-        idle, busy, floor = [], [], []
+        idle, busy, unpaced, floor = [], [], [], []
         rounds, reps = (3, 8) if args.quick else (6, 12)
-        pushers = []
+        pushers, unpaced_pushers = [], []
+        pacer = llm.store.pacer
+        share = pacer.share
         for _ in range(rounds):
             idle += [timed(llm, prompt, cold, hit) for _ in range(reps)]
-            pusher = Pusher(llm.store, blocks, 16, persist=True)
-            pusher.start()
-            pusher.started_writing.wait(30)
-            busy += [timed(llm, prompt, cold, hit) for _ in range(reps)]
-            pusher.stop.set()
-            pusher.join(60)
-            pusher.check()  # before the next round's pushes evict what it wrote
-            pushers.append(pusher)
-            # The same IO at the rate the store's pusher sustained this round, without the store.
-            raw = RawPusher(work / "raw-floor.bin", blocks, 16, chains_per_s=pusher.chains_per_s)
+            for paced in (True, False):
+                pacer.share = share if paced else 1.0  # 1.0: pacing off, as before it existed
+                pusher = Pusher(llm.store, blocks, 16, persist=True)
+                pusher.start()
+                pusher.started_writing.wait(30)
+                pusher.mark()
+                (busy if paced else unpaced).extend(timed(llm, prompt, cold, hit) for _ in range(reps))
+                pusher.mark()
+                pusher.stop.set()
+                pusher.join(60)
+                pusher.check()  # before the next phase's pushes evict what it wrote
+                (pushers if paced else unpaced_pushers).append(pusher)
+            pacer.share = share
+            # The same IO at the rate the store's paced pusher sustained this round, without the store.
+            raw = RawPusher(work / "raw-floor.bin", blocks, 16, chains_per_s=pushers[-1].timed_chains_per_s)
             raw.start()
             raw.started_writing.wait(30)
             floor += [timed(llm, prompt, cold, hit) for _ in range(reps)]
             raw.stop.set()
             raw.join(60)
         s = llm.store.stats()
-        return {"prompt_tokens": n_tokens, "requests": len(idle) + len(busy) + len(floor),
+        chain_bytes = 16 * llm.layout.block_bytes
+        return {"prompt_tokens": n_tokens, "requests": len(idle) + len(busy) + len(unpaced) + len(floor),
+                "background_share": share,
                 "idle_ttft_ms": statistics.median(idle), "busy_ttft_ms": statistics.median(busy),
+                "unpaced_busy_ttft_ms": statistics.median(unpaced),
                 "raw_io_busy_ttft_ms": statistics.median(floor),
-                "pushed_blocks": sum(len(p.written) for p in pushers),
+                "pusher_gbps": statistics.median(p.timed_chains_per_s for p in pushers) * chain_bytes / 1e9,
+                "unpaced_pusher_gbps": statistics.median(p.timed_chains_per_s for p in unpaced_pushers) * chain_bytes / 1e9,
+                "pushed_blocks": sum(len(p.written) for p in pushers + unpaced_pushers),
                 "l3_write_bytes": s["bytes"].get("l3_write", 0), "evictions": s["evictions"]}
     finally:
         llm.close()
@@ -224,8 +254,9 @@ def timed(llm: LLM, prompt: list[int], cold, hit: int) -> float:
 def put_rounds(args, work: Path) -> dict:
     layout = KVLayout(num_layers=16, num_kv_heads=4, head_dim=64, block_size=16, dtype="float16")  # 256 KiB
     n, chain = (128, 32) if args.quick else (256, 64)
-    rounds = 4 if args.quick else 8
-    cfg = StoreConfig(l2=L2Config(capacity=(3 * rounds * n + 2 * chain) * layout.block_bytes, pin=False),
+    rounds, reps = (4, 3) if args.quick else (8, 3)  # reps: timed puts per phase
+    phases = 4  # idle, busy (paced), unpaced, raw IO
+    cfg = StoreConfig(l2=L2Config(capacity=(phases * rounds * reps * n + 2 * chain) * layout.block_bytes, pin=False),
                       l3=L3Config(path=str(work / "put-l3"), capacity=chain * layout.block_bytes),
                       policy=PolicyConfig(name="lru", write="write_back"))
     store = TierKVStore(cfg, layout)
@@ -237,38 +268,49 @@ def put_rounds(args, work: Path) -> dict:
             assert store.put_blocks(keys, blocks[:chain]) == [True] * chain
         stop = threading.Event()
         persisted = [0]
-
-        rate = [0.0]  # chains persisted per second in the last busy round
+        rate = [0.0]  # chains persisted per second by the last stream, over its life
 
         def stream() -> None:
             i, t0 = 0, time.perf_counter()
             while not stop.is_set():
                 persisted[0] += store.persist(chains[i % 2], Tier.L3)
                 i += 1
-                rate[0] = i / (time.perf_counter() - t0)
+            rate[0] = i / (time.perf_counter() - t0)
 
-        idle, busy, floor, puts = [], [], [], []
+        def timed_puts() -> list[float]:
+            return [put_gbps(store, layout, rng, blocks, puts) for _ in range(reps)]
+
+        pacer, share = store.pacer, store.pacer.share
+        idle, busy, unpaced, floor, puts, rates = [], [], [], [], [], []
         for _ in range(rounds):
-            idle.append(put_gbps(store, layout, rng, blocks, puts))
-            stop.clear()
-            t = threading.Thread(target=stream, daemon=True)
-            t.start()
-            while persisted[0] == 0:
-                time.sleep(0.001)
-            busy.append(put_gbps(store, layout, rng, blocks, puts))
-            stop.set()
-            t.join(60)
+            idle += timed_puts()
+            for paced in (True, False):
+                pacer.share = share if paced else 1.0  # 1.0: pacing off, as before it existed
+                stop.clear()
+                before = persisted[0]
+                t = threading.Thread(target=stream, daemon=True)
+                t.start()
+                while persisted[0] == before:
+                    time.sleep(0.001)
+                (busy if paced else unpaced).extend(timed_puts())
+                stop.set()
+                t.join(60)
+                if paced:
+                    rates.append(rate[0])
+            pacer.share = share
             raw = RawPusher(work / "raw-put-floor.bin", blocks, chain, l2_copy=False, writes=1,
-                            chains_per_s=rate[0])
+                            chains_per_s=max(rates[-1], 1.0))
             raw.start()
             raw.started_writing.wait(30)
-            floor.append(put_gbps(store, layout, rng, blocks, puts))
+            floor += timed_puts()
             raw.stop.set()
             raw.join(60)
         check_puts(store, layout, blocks, puts)
-        return {"block_bytes": layout.block_bytes, "blocks_per_put": n, "rounds": rounds,
+        return {"block_bytes": layout.block_bytes, "blocks_per_put": n, "rounds": rounds, "puts_per_phase": reps,
                 "l2_put_idle_gbps": statistics.median(idle), "l2_put_busy_gbps": statistics.median(busy),
-                "l2_put_raw_io_gbps": statistics.median(floor), "l3_persisted_blocks": persisted[0]}
+                "l2_put_unpaced_gbps": statistics.median(unpaced),
+                "l2_put_raw_io_gbps": statistics.median(floor), "l3_persisted_blocks": persisted[0],
+                "persist_chains_per_s": statistics.median(rates)}
     finally:
         store.close()
 
@@ -304,32 +346,42 @@ def main() -> None:
         put = put_rounds(args, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    ttft_ratio = ttft["busy_ttft_ms"] / ttft["idle_ttft_ms"]
-    put_ratio = put["l2_put_busy_gbps"] / put["l2_put_idle_gbps"]
-    raw_ratio = ttft["raw_io_busy_ttft_ms"] / ttft["idle_ttft_ms"]
-    raw_put_ratio = put["l2_put_raw_io_gbps"] / put["l2_put_idle_gbps"]
-    print_table("write-back contention (medians; interleaved idle/busy rounds)", [
-        ("idle_ttft_ms", f"{ttft['idle_ttft_ms']:.2f}", f"L1-hit TTFT, {ttft['prompt_tokens']} tokens, disk idle"),
+    idle_ttft, idle_put = ttft["idle_ttft_ms"], put["l2_put_idle_gbps"]
+    ttft_ratio = ttft["busy_ttft_ms"] / idle_ttft
+    put_ratio = put["l2_put_busy_gbps"] / idle_put
+    unpaced_ratio = ttft["unpaced_busy_ttft_ms"] / idle_ttft
+    raw_ratio = ttft["raw_io_busy_ttft_ms"] / idle_ttft
+    unpaced_put_ratio = put["l2_put_unpaced_gbps"] / idle_put
+    raw_put_ratio = put["l2_put_raw_io_gbps"] / idle_put
+    share = ttft["background_share"]
+    print_table(f"write-back contention (medians; phases interleaved round by round; io.background_share={share})", [
+        ("idle_ttft_ms", f"{idle_ttft:.2f}", f"L1-hit TTFT, {ttft['prompt_tokens']} tokens, disk idle"),
         ("busy_ttft_ms", f"{ttft['busy_ttft_ms']:.2f}",
-         f"same, while another thread demotes to L3 and persists: {ttft_ratio:.3f}x idle (target <= {TTFT_TARGET})"),
+         f"same, while another thread demotes to L3 and persists (paced): {ttft_ratio:.3f}x idle (target <= {TTFT_TARGET})"),
+        ("unpaced_busy_ttft_ms", f"{ttft['unpaced_busy_ttft_ms']:.2f}", f"same, pacing off: {unpaced_ratio:.3f}x idle"),
         ("raw_io_busy_ttft_ms", f"{ttft['raw_io_busy_ttft_ms']:.2f}",
-         f"same, while a bare thread copies, checksums and O_DIRECT-writes the same blocks: "
-         f"{raw_ratio:.3f}x idle; tierkv busy / this {ttft['busy_ttft_ms'] / ttft['raw_io_busy_ttft_ms']:.3f}"),
-        ("l2_put_idle_gbps", f"{put['l2_put_idle_gbps']:.2f}", f"put_blocks into L2, {put['block_bytes'] >> 10} KiB blocks"),
+         f"same, while a bare thread copies, checksums and O_DIRECT-writes the same blocks at the paced pusher's rate: "
+         f"{raw_ratio:.3f}x idle"),
+        ("pusher_gbps", f"{ttft['pusher_gbps']:.3f}",
+         f"what the pusher put (and demoted, and persisted) per second while requests ran, paced; "
+         f"unpaced {ttft['unpaced_pusher_gbps']:.3f} ({ttft['pusher_gbps'] / ttft['unpaced_pusher_gbps']:.2f}x)"),
+        ("l2_put_idle_gbps", f"{idle_put:.2f}", f"put_blocks into L2, {put['block_bytes'] >> 10} KiB blocks"),
         ("l2_put_busy_gbps", f"{put['l2_put_busy_gbps']:.2f}",
-         f"same, with a concurrent L3 persist stream: {put_ratio:.3f}x idle (target >= {PUT_TARGET})"),
+         f"same, with a concurrent L3 persist stream (paced): {put_ratio:.3f}x idle (target >= {PUT_TARGET})"),
+        ("l2_put_unpaced_gbps", f"{put['l2_put_unpaced_gbps']:.2f}", f"same, pacing off: {unpaced_put_ratio:.3f}x idle"),
         ("l2_put_raw_io_gbps", f"{put['l2_put_raw_io_gbps']:.2f}",
-         f"same, while a bare thread copies, checksums and O_DIRECT-writes the persisted chains: "
-         f"{raw_put_ratio:.3f}x idle; tierkv busy / this {put['l2_put_busy_gbps'] / put['l2_put_raw_io_gbps']:.3f}"),
+         f"same, while a bare thread copies, checksums and O_DIRECT-writes the persisted chains at the paced rate: "
+         f"{raw_put_ratio:.3f}x idle"),
     ])
     figures = {**ttft, **put, "busy_over_idle_ttft": ttft_ratio, "busy_over_idle_put": put_ratio,
+               "unpaced_busy_over_idle_ttft": unpaced_ratio, "unpaced_over_idle_put": unpaced_put_ratio,
                "raw_io_busy_over_idle_ttft": raw_ratio, "raw_io_over_idle_put": raw_put_ratio,
-               "busy_over_raw_io_put": put["l2_put_busy_gbps"] / put["l2_put_raw_io_gbps"],
-               "busy_over_raw_io_busy_ttft": ttft["busy_ttft_ms"] / ttft["raw_io_busy_ttft_ms"]}
+               "paced_over_unpaced_pusher": ttft["pusher_gbps"] / ttft["unpaced_pusher_gbps"]}
     finish(args, "contention", figures, [
         target("busy_over_idle_ttft", ttft_ratio, "<=", TTFT_TARGET, "L1-hit TTFT, disk busy / idle"),
         target("busy_over_idle_put", put_ratio, ">=", PUT_TARGET, "L2 put GB/s, L3 persist stream / none"),
     ])
+
 
 if __name__ == "__main__":
     main()
