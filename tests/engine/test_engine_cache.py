@@ -147,3 +147,19 @@ def test_write_through_saves_reach_l3_without_eviction(make_llm, baseline, tmp_p
     warm = make_llm(cfg).generate(prompts(), GREEDY)
     assert [o.token_ids for o in warm] == baseline
     assert_hits(warm, "l3")
+
+
+def test_the_step_is_the_stores_foreground_work(make_llm) -> None:
+    """Every forward runs inside ``store.foreground()``, so background IO is paced around it."""
+    llm = make_llm()
+    seen = []
+    run = llm.runner.run
+
+    def watched(batch):
+        seen.append(llm.store.pacer._foreground)
+        return run(batch)
+
+    llm.runner.run = watched
+    llm.generate([prompts(1)[0]], GREEDY)
+    assert seen and all(n == 1 for n in seen)
+    assert llm.store.pacer._foreground == 0
