@@ -77,6 +77,22 @@ def test_the_oracle_keeps_the_block_used_soonest(tmp_path):
     assert [r.headroom for r in results] == [0.0, 1.0, 0.0]
 
 
+def test_the_reuse_oracle_evicts_blocks_not_used_again_first(tmp_path):
+    # Capacity 2: at r3 LRU drops 1 (oldest) and misses it at r4; the reuse oracle knows 2 is
+    # never used again and drops it. Told only of reuses within 2 requests, 1 (back 3 later)
+    # counts as not used again, and the order is LRU's.
+    requests = replay_tool.load_trace(write_trace(tmp_path / "t.jsonl", [[1], [2], [3], [1]]))
+    assert replay_tool.reuse_ranks(requests) == [[4.0], [1.0], [2.0], [3.0]]
+    assert replay_tool.reuse_ranks(requests, 2) == [[0.0], [1.0], [2.0], [3.0]]
+    assert replay_tool.replay(requests, "lru", [2]).hit_rate == 0.0
+    assert replay_tool.replay(requests, "reuse_oracle", [2]).hit_rate == 0.25
+    assert replay_tool.replay(requests, "reuse_oracle", [2], oracle_window=2).hit_rate == 0.0
+    assert replay_tool.replay(requests, "reuse_oracle", [2], oracle_window=3).hit_rate == 0.25
+    for native in (False, None):  # the index's Python and C loops decide alike
+        r = replay_tool.replay(requests, "reuse_oracle", [2], native=native)
+        assert (r.hit_rate, r.evictions) == (0.25, {"l1": 1})
+
+
 def test_the_oracle_evicts_leaves_only(tmp_path):
     # Capacity 3: r2 needs room; 3 is never used again: dropped, and 1, 2 hit at r3 and r4.
     # At r5 the oracle keeps 4 (used at r6) and, leaves only, can drop 2 but not 1.

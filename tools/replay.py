@@ -19,8 +19,10 @@ model: Σ prefill FLOPs of hit blocks / Σ prefill FLOPs of all blocks}, priced 
 ``tierkv.flops`` from each model's architecture (the grade; no policy parameter
 enters it); ``headroom`` = the share of the LRU → oracle hit-rate gap a policy
 takes at its capacity (``--policy belady`` is the offline oracle: furthest next
-use, leaves only); ``saved_cost`` = the same fraction in the policies' own
-abstract units, a block at depth d costing ``1 + depth_weight·d`` (the store's
+use, leaves only; ``--policy reuse_oracle`` a bound: LRU told whether each block
+is used again, within ``--oracle-window`` requests if given); ``saved_cost`` =
+the same fraction in the policies' own abstract units, a block at depth d costing
+``1 + depth_weight·d`` (the store's
 default recompute growth unless ``--depth-weight``). In multi-tier mode
 (``--tiers l1=1000,l2=10000,l3=100000``) it also reports hits per tier and the
 cost model's estimated prefill time saved. ``accesses_per_cpu_s`` counts block
@@ -67,6 +69,11 @@ GRADE = "llama-3.1-8b"  # the reference model the table's ratios use
 # or calibrated (its recompute growth per token of context, per 512-token block).
 STORE_DEPTH_WEIGHT = CostModel.from_config(CostConfig(), BLOCK_TOKENS, BLOCK_TOKENS).growth * BLOCK_TOKENS
 ORACLE = "belady"
+# A bound, not an oracle to grade against: LRU told at each use whether the block is used
+# again (within --oracle-window requests). It shows how much knowing *whether* buys, apart
+# from knowing *when* (which Belady knows too).
+REUSE_ORACLE = "reuse_oracle"
+OFFLINE = (ORACLE, REUSE_ORACLE)
 NEVER = float("inf")
 # Reference model for the multi-tier time estimate: a Llama-3-8B-like fp16
 # layout (32 layers x 8 KV heads x 128 dims x K,V x 2 bytes = 128 KiB per token).
@@ -153,6 +160,17 @@ def next_uses(requests: list[list[bytes]]) -> list[list[float]]:
     return out
 
 
+def reuse_ranks(requests: list[list[bytes]], window: float | None = None) -> list[list[float]]:
+    """The reuse oracle's priorities per request and block: the request's index, plus the
+    request count if the block is used again (within ``window`` requests; None: at all).
+
+    Lower is evicted first: blocks not used again go first, LRU among each kind.
+    """
+    n, limit = float(len(requests)), NEVER if window is None else window
+    return [[i + n if later != NEVER and later - i <= limit else float(i) for later in nexts]
+            for i, nexts in enumerate(next_uses(requests))]
+
+
 class Replayer:
     """The store's eviction decisions over accounting-only tiers (capacities in blocks)."""
 
@@ -163,7 +181,9 @@ class Replayer:
         self.lower = {t: next((u for u in present if u > t), None) for t in present}
         self.future: dict[bytes, float] | None = None
         self.ahead: list[list[float]] | None = None  # the oracle's priorities per request and block
-        if policy == ORACLE:
+        self.policy = policy
+        self.oracle_window: float | None = options.pop("oracle_window", None)
+        if policy in OFFLINE:
             self.future = {}
             policies = [BeladyPolicy(t, self.future) if t in self.lower else None for t in LOCAL_TIERS]
         else:
@@ -239,8 +259,12 @@ class Replayer:
         return hits, hit_lengths, saved_us
 
     def read_ahead(self, requests: list[list[bytes]]) -> list[list[float]]:
-        """The oracle's knowledge of the trace: minus each block's next use, per request (``ahead``)."""
-        self.ahead = [list(map(neg, later)) for later in next_uses(requests)]
+        """The oracle's knowledge of the trace, per request and block (``ahead``): minus each
+        block's next use (Belady), or ``reuse_ranks`` (the reuse oracle)."""
+        if self.policy == REUSE_ORACLE:
+            self.ahead = reuse_ranks(requests, self.oracle_window)
+        else:
+            self.ahead = [list(map(neg, later)) for later in next_uses(requests)]
         return self.ahead
 
     def _run_oracle(self, requests: list[list[bytes]], multi: bool) -> tuple[list[int], list[int], float]:
@@ -294,7 +318,8 @@ def replay(requests: list[list[bytes]], policy: str, capacities: Sequence[int],
            **options) -> ReplayResult:
     """Replay ``requests`` with ``policy`` over tiers of ``capacities`` blocks (L1, L2, L3).
 
-    ``options`` go to the policy (e.g. ``reuse_exponent`` for cost_aware). ``native``
+    ``options`` go to the policy (e.g. ``reuse_exponent`` for cost_aware; ``oracle_window``
+    for the reuse oracle). ``native``
     goes to the index: False runs its pure-Python loops (the same decisions, slower).
     """
     if depth_weight is None:
@@ -396,7 +421,7 @@ def _tiers(text: str) -> list[int]:
 
 def _policies(text: str) -> list[str]:
     names = [p.strip() for p in text.split(",") if p.strip()]
-    allowed = sorted([*POLICIES, ORACLE])
+    allowed = sorted([*POLICIES, *OFFLINE])
     bad = [p for p in names if p not in allowed]
     if bad or not names:
         raise argparse.ArgumentTypeError(f"expected policies from {allowed}, got {text!r}")
@@ -416,6 +441,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--half-life", type=float, default=2000.0, help="reuse decay half-life in lookups")
     p.add_argument("--reuse-exponent", type=float, default=None,
                    help="cost_aware: power-law decay of the reuse hazard with age (default: the policy's)")
+    p.add_argument("--oracle-window", type=float, default=None,
+                   help=f"{REUSE_ORACLE}: count a block as used again only within this many requests (default: ever)")
     p.add_argument("--recompute-us", type=float, default=100.0, help="multi-tier: prefill µs/token at depth 0")
     p.add_argument("--gbps", default="5,1", help="multi-tier: L2,L3 load bandwidth in GB/s (reference layout)")
     p.add_argument("--no-native", dest="native", action="store_false",
@@ -505,6 +532,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.freeze()
     options = {} if args.reuse_exponent is None else {"reuse_exponent": args.reuse_exponent}
     options["native"] = None if args.native else False
+    if args.oracle_window is not None:
+        options["oracle_window"] = args.oracle_window
     results: list[ReplayResult] = []
     for policy in args.policy:
         for cap in args.capacity or []:
