@@ -139,20 +139,22 @@ def crash_writer(path: str, trial: int, capacity: int, progress) -> None:
 # -- two processes on one L3 --------------------------------------------------------
 
 def l3_mixed(path: str, worker: int, lookups: int, universe: int, num_blocks: int, out_file: str,
-             start, done) -> None:
+             start, done, writers) -> None:
     """Look up, load, verify and save random prompts of a shared universe, alongside another worker.
 
     Both workers begin together (``start``, a barrier) and each sets its ``done[worker - 1]`` event
     once it has made ``lookups`` lookups and hit a block the other one wrote; each keeps going
     until both are done, so the two run concurrently from the first lookup to the last. A 300 s
     safety stop only keeps a broken store from hanging the test (whose assertions then fail).
+    ``writers`` (a shared array, one entry per prompt of the universe) holds the last worker that
+    saved blocks of each prompt: a hit on a prompt the other worker saved last counts as foreign,
+    at any point of the run (not only on a prompt's first lookup, which a slow start could miss).
     """
     from tierkv.store import TierKVStore
 
     rng = random.Random(worker)
     cfg = store_config(LAYOUT, 2, 24, path)
     counts = {"lookups": 0, "loaded": 0, "wrong": 0, "saved": 0, "l3_loaded": 0, "foreign": 0}
-    mine: set[int] = set()  # prompts this worker saved; hits on others were written by the other process
     with TierKVStore(cfg, LAYOUT, l1_blocks=2 * num_blocks) as store:
         start.wait(120)
         safety = time.monotonic() + 300
@@ -177,8 +179,9 @@ def l3_mixed(path: str, worker: int, lookups: int, universe: int, num_blocks: in
             adopted = store.save(keys, fresh, result.num_ok, m)
             store.free([s for s, a in zip(fresh, adopted) if not a])
             counts["saved"] += sum(adopted)
-            counts["foreign"] += seed not in mine and result.num_ok > 0
-            mine.add(seed)
+            counts["foreign"] += result.num_ok > 0 and writers[seed] not in (0, worker)
+            if any(adopted):
+                writers[seed] = worker
             store.release(m)
             if counts["lookups"] >= lookups and counts["foreign"] > 0:
                 done[worker - 1].set()

@@ -102,8 +102,9 @@ def test_two_processes_share_one_directory_concurrently(forkserver, tmp_path):
     path, lookups = tmp_path / "l3", 150
     outs = [tmp_path / f"worker{w}.json" for w in (1, 2)]
     start, done = forkserver.Barrier(2), [forkserver.Event(), forkserver.Event()]
+    writers = forkserver.Array("b", 10, lock=False)  # per prompt: the worker that saved it last
     procs = [forkserver.Process(target=_workers.l3_mixed,
-                                args=(str(path), w, lookups, 10, 3, str(out), start, done))
+                                args=(str(path), w, lookups, 10, 3, str(out), start, done, writers))
              for w, out in zip((1, 2), outs)]
     for p in procs:
         p.start()
