@@ -706,9 +706,9 @@ def test_a_lookup_racing_an_eviction_keeps_its_pinned_prefix_and_reports_current
             store.allocate(1)                 # the lookup's prefix is pinned meanwhile
 
     race = RaceBetweenLockSections(store, another_engine_takes_l1)
-    store._lock = race
+    store.matcher._lock = race  # the lock the lookup takes (matching.py)
     m = store.lookup(tokens)
-    store._lock = race.real
+    store.matcher._lock = race.real
     assert race.raced and race.sections_after >= 1, "the race did not land inside the lookup"
     assert len(taken) == 4 and store.stats()["evictions"]["l1"] == 4
     assert store.lookup_keys(other, pin=False).tiers == [L2] * 4   # evicted down, not lost
@@ -741,9 +741,9 @@ def test_a_lookup_racing_a_load_names_the_tier_the_block_moved_to(make_store, la
         store.release(m2)
 
     race = RaceBetweenLockSections(store, another_request_loads_it)
-    store._lock = race
+    store.matcher._lock = race  # the lock the lookup takes (matching.py)
     m = store.lookup(tokens)
-    store._lock = race.real
+    store.matcher._lock = race.real
     assert race.raced and race.sections_after >= 1, "the race did not land inside the lookup"
     assert seen == [([L2] * 4, 4)]
     assert m.tiers == [L1] * 4

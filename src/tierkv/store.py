@@ -26,10 +26,11 @@ from tierkv.hashing import BlockHash, BlockHasher
 from tierkv.index import Entry, PrefixIndex, Tier
 from tierkv.layout import KVLayout
 from tierkv.metrics import TIER_NAMES, Metrics
+from tierkv.matching import Matcher
 from tierkv.moves import Mover, Plan
 from tierkv.pacing import Pacer
 from tierkv.placement import Placement
-from tierkv.reads import Loader, Match, probe_shared
+from tierkv.reads import Loader, Match
 from tierkv.tierset import make_policies, open_tiers
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.slots import OutOfBlocks
@@ -67,6 +68,9 @@ class TierKVStore:
                                    layout.block_bytes, self.transfer.d2h_sync, self._on_failure)
         self.loader = Loader(self.tiers, self.index, self._lock, self.transfer, self.metrics,
                              layout.block_bytes, self._on_failure, self.pacer)
+        self.matcher = Matcher(self.tiers, self.index, self._lock, self.cost, self.metrics, self.block_size,
+                               cfg.policy.write == "write_through_selective", self._write_through,
+                               self._on_failure)
         if Tier.L3 in self.tiers:
             self._rebuild_from_l3()
 
@@ -127,59 +131,8 @@ class TierKVStore:
         return self.lookup_keys(self.hash(token_ids, namespace, extra_keys), pin)
 
     def lookup_keys(self, keys: Sequence[BlockHash], pin: bool = True) -> Match:
-        """``lookup`` for callers that already hold the chain of block hashes."""
-        keys = list(keys)
-        with self._lock:
-            tiers = self.index.match(keys)
-            if len(tiers) < len(keys) and (Tier.L3 in self.tiers or (self.l2 is not None and self.l2.shared)):
-                probe_shared(self.tiers, self.index, keys, tiers)
-            if len(tiers) == len(keys) or self.l4 is None:
-                return self._matched(keys, tiers, pin)  # one lock section: tiers cannot go stale
-            local = len(tiers)
-            held = [self.index.get(k) for k in keys[:local]]
-            self.index.pin(held)  # the local prefix stays cached while L4 is asked without the lock
-        try:  # a slow or dead pool delays this lookup only, never the store
-            for hit in self._probe_l4(keys[local:]):
-                if not hit:
-                    break
-                tiers.append(Tier.L4)
-        finally:
-            with self._lock:
-                self.index.unpin(held)
-        with self._lock:
-            # Pinned, the prefix stayed cached but may have changed tier meanwhile (a load by
-            # another request, or a failed one): match it again so every tier named is current.
-            now_local = self.index.match(keys[:local])
-            tiers = now_local if len(now_local) < local else now_local + tiers[local:]
-            return self._matched(keys, tiers, pin)
-
-    def _matched(self, keys: list[BlockHash], tiers: list[int], pin: bool) -> Match:
-        """Caller holds the lock: cut ``tiers`` by cost, pin and touch the local blocks, count."""
-        tiers = tiers[: self.cost.cut(tiers, self.block_size)]
-        entries = [self.index.get(k) if t != Tier.L4 else None for k, t in zip(keys, tiers)]
-        local = [e for e in entries if e is not None]
-        m = Match(keys, tiers, entries, self.block_size)
-        m.est_load_us, m.est_recompute_us = self.cost.estimate_us(tiers, len(keys), self.block_size)
-        selective = self.config.policy.write == "write_through_selective"
-        unselected = [e for e in local if e.freq <= 1.0] if selective else []
-        self.index.use(local, pin)  # pin (if asked) and touch in one pass, as the replay does
-        if pin:
-            m.pinned = list(local)
-        if selective:
-            # freq > 1 only after a block's second hit (each hit adds 1, decay keeps the rest > 0).
-            # L2/L3 copies are redone whenever a selected block lacks them; L4, which the index
-            # does not track, gets one copy, at the hit that selects the block.
-            self._write_through([e for e in local if e.freq > 1.0], [e for e in unselected if e.freq > 1.0])
-        self.metrics.count_lookup(tiers, len(keys) - len(tiers))
-        return m
-
-    def _probe_l4(self, keys: list[BlockHash]) -> list[bool]:
-        """One batched L4 membership call; a failing pool is all misses (the tier counts why)."""
-        try:
-            return self.l4.contains(keys)
-        except Exception as exc:  # the tier never raises for a pool failure; this guards its bugs
-            self._on_failure("l4", "error", len(keys), repr(exc))
-            return [False] * len(keys)
+        """``lookup`` for callers that already hold the chain of block hashes (``matching.py``)."""
+        return self.matcher.lookup_keys(keys, pin)
 
     # -- L1 slots, loads, saves -----------------------------------------------
 
