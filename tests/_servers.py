@@ -6,6 +6,13 @@
 outlive the tierkv clients that wrote them. Each fixture object can
 ``kill()`` its server with SIGKILL and ``restart()`` it on the same ports.
 A test skips only when the server cannot be installed here, and says why.
+
+redis-server and mooncake_master cannot bind port 0 and report the port they got, so their ports are
+picked here (``free_port``) and bound by the server a moment later; another process on the machine can
+take one in between. A server counts as started only once *its own process* listens on all its ports
+(read from /proc, not by connecting: a connect would also succeed to whoever took the port); if a port
+was taken by another process at the first start, it is started again on fresh ports (``Server.repick``).
+A restart keeps its ports (clients know them), so there a taken port is an error that says so.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -37,17 +45,66 @@ def free_port(below: int = 65536) -> int:
             return port
 
 
-def wait_port(port: int, proc: subprocess.Popen, log: Path, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}: {log.read_text()[-2000:]}")
+class PortTaken(RuntimeError):
+    """A server could not listen on a port because another process holds it."""
+
+
+def _listening(pid: int) -> set[int]:
+    """The TCP ports process ``pid`` listens on (Linux: its socket fds matched to /proc/net/tcp{,6})."""
+    inodes = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return set()
+    for fd in fds:
         try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
         except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"port {port} not listening after {timeout}s: {log.read_text()[-2000:]}")
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if f[3] == "0A" and f[9] in inodes:  # 0A: LISTEN
+                ports.add(int(f[1].rsplit(":", 1)[1], 16))
+    return ports
+
+
+def _held_elsewhere(port: int) -> bool:
+    """Whether a socket we did not make listens on (or exclusively holds) loopback ``port``."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return False
+        except OSError:
+            return True
+
+
+def wait_listening(name: str, ports: list[int], proc: subprocess.Popen, log: Path, timeout: float = 20.0) -> None:
+    """Wait until ``proc`` itself listens on every port of ``ports``. Raises PortTaken when it exited or
+    timed out while another process holds one of them, RuntimeError (with its log) otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        exited = proc.poll() is not None
+        missing = [] if exited else [p for p in ports if p not in _listening(proc.pid)]
+        if not exited and not missing:
+            return
+        if exited or time.monotonic() > deadline:
+            missing = missing or ports
+            taken = [p for p in missing if _held_elsewhere(p)]
+            why = f"exited with {proc.returncode}" if exited else f"not listening on {missing} after {timeout}s"
+            if taken:
+                raise PortTaken(f"{name}: port(s) {taken} taken by another process ({why}): "
+                                f"{log.read_text()[-2000:]}")
+            raise RuntimeError(f"{name} {why}: {log.read_text()[-2000:]}")
+        time.sleep(0.05)
 
 
 def wait_port_free(port: int, timeout: float = 10.0) -> None:
@@ -63,23 +120,46 @@ def wait_port_free(port: int, timeout: float = 10.0) -> None:
 
 
 class Server:
-    """One server process: start, SIGKILL, restart on the same ports, stop (all by pid)."""
+    """One server process: start, SIGKILL, restart on the same ports, stop (all by pid).
 
-    def __init__(self, argv: list[str], port: int, workdir: Path, name: str) -> None:
-        self.argv, self.port, self.workdir, self.name = argv, port, workdir, name
+    ``ports``: every port it must listen on before it counts as started. ``repick`` (optional) picks fresh
+    ports and updates ``argv``/``ports``: the first start retries with it when a port was taken."""
+
+    def __init__(self, argv: list[str], ports: list[int], workdir: Path, name: str,
+                 repick: Callable[[], None] | None = None) -> None:
+        self.argv, self.ports, self.workdir, self.name, self.repick = argv, ports, workdir, name, repick
         self.proc: subprocess.Popen | None = None
         self.log = workdir / f"{name}.log"
+
+    @property
+    def port(self) -> int:
+        return self.ports[0]
 
     @property
     def pid(self) -> int:
         return self.proc.pid
 
     def start(self) -> None:
-        wait_port_free(self.port)
-        with open(self.log, "ab") as log:
-            self.proc = subprocess.Popen(self.argv, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL, start_new_session=True)
-        wait_port(self.port, self.proc, self.log)
+        attempts = 5 if self.proc is None and self.repick is not None else 1  # a restart keeps its ports
+        for attempt in range(attempts):
+            if attempt:
+                self.repick()
+            if attempts == 1:  # a restart: the killed process's sockets may take a moment to go
+                for port in self.ports:
+                    wait_port_free(port)
+            with open(self.log, "ab") as log:
+                self.proc = subprocess.Popen(self.argv, cwd=self.workdir, stdout=log, stderr=subprocess.STDOUT,
+                                             stdin=subprocess.DEVNULL, start_new_session=True)
+            try:
+                wait_listening(self.name, self.ports, self.proc, self.log)
+                return
+            except PortTaken:
+                self.kill()
+                if attempt == attempts - 1:
+                    raise
+            except BaseException:
+                self.kill()
+                raise
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -109,24 +189,31 @@ class Server:
 
 class RedisServer(Server):
     def __init__(self, workdir: Path, cluster: bool = False, tls: bool = False) -> None:
-        port = free_port(below=55536) if cluster else free_port()  # the cluster bus listens on port + 10000
-        argv = [REDIS_BIN, "--bind", "127.0.0.1", "--dir", str(workdir),
-                "--save", "", "--appendonly", "no", "--protected-mode", "yes"]
-        if cluster:
-            argv += ["--cluster-enabled", "yes", "--cluster-config-file", str(workdir / "nodes.conf")]
+        self.workdir, self.cluster, self.tls = workdir, cluster, tls
         if tls:
             self.cert = workdir / "cert.pem"
             subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
                             "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
                             "-keyout", str(workdir / "key.pem"), "-out", str(self.cert)],
                            check=True, capture_output=True, timeout=60)
+        super().__init__(*self._argv_ports(), workdir, "redis", repick=self._repick)
+
+    def _argv_ports(self) -> tuple[list[str], list[int]]:
+        port = free_port(below=55536) if self.cluster else free_port()  # the cluster bus listens on port + 10000
+        argv = [REDIS_BIN, "--bind", "127.0.0.1", "--dir", str(self.workdir),
+                "--save", "", "--appendonly", "no", "--protected-mode", "yes"]
+        if self.cluster:
+            argv += ["--cluster-enabled", "yes", "--cluster-config-file", str(self.workdir / "nodes.conf")]
+        if self.tls:
             argv += ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(self.cert),
-                     "--tls-key-file", str(workdir / "key.pem"), "--tls-ca-cert-file", str(self.cert),
+                     "--tls-key-file", str(self.workdir / "key.pem"), "--tls-ca-cert-file", str(self.cert),
                      "--tls-auth-clients", "no"]
         else:
             argv += ["--port", str(port)]
-        super().__init__(argv, port, workdir, "redis")
-        self.cluster, self.tls = cluster, tls
+        return argv, [port, port + 10000] if self.cluster else [port]
+
+    def _repick(self) -> None:
+        self.argv, self.ports = self._argv_ports()
 
     @property
     def url(self) -> str:
@@ -167,17 +254,35 @@ class MooncakePool:
     def __init__(self, workdir: Path, segment: str = "64MB", master_flags: tuple[str, ...] = ()) -> None:
         import mooncake
 
-        pkg = Path(mooncake.__path__[0])
+        self.pkg, self.segment, self.master_flags = Path(mooncake.__path__[0]), segment, master_flags
         self.rpc_port, self.meta_port, self.metrics_port, self.pool_port = (free_port() for _ in range(4))
-        master = [str(pkg / "mooncake_master"), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
-                  "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
-                  f"--http_metadata_server_port={self.meta_port}", "--metrics_host=127.0.0.1",
-                  f"--metrics_port={self.metrics_port}", "--logtostderr", *master_flags]
-        pool = [str(pkg / "mooncake_client"), "--host=127.0.0.1", f"--port={self.pool_port}",
-                f"--global_segment_size={segment}", f"--master_server_address=127.0.0.1:{self.rpc_port}",
+        self.master = Server(self._master_argv(), self._master_ports(), workdir, "mooncake_master",
+                             repick=self._repick_master)
+        self.pool = Server(self._pool_argv(), [self.pool_port], workdir, "mooncake_client", repick=self._repick_pool)
+
+    def _master_ports(self) -> list[int]:
+        return [self.rpc_port, self.meta_port, self.metrics_port]
+
+    def _master_argv(self) -> list[str]:
+        return [str(self.pkg / "mooncake_master"), f"--rpc_port={self.rpc_port}", "--rpc_address=127.0.0.1",
+                "--enable_http_metadata_server=true", "--http_metadata_server_host=127.0.0.1",
+                f"--http_metadata_server_port={self.meta_port}", "--metrics_host=127.0.0.1",
+                f"--metrics_port={self.metrics_port}", "--logtostderr", *self.master_flags]
+
+    def _pool_argv(self) -> list[str]:
+        return [str(self.pkg / "mooncake_client"), "--host=127.0.0.1", f"--port={self.pool_port}",
+                f"--global_segment_size={self.segment}", f"--master_server_address=127.0.0.1:{self.rpc_port}",
                 f"--metadata_server={self.metadata}", "--protocol=tcp", "--logtostderr"]
-        self.master = Server(master, self.rpc_port, workdir, "mooncake_master")
-        self.pool = Server(pool, self.pool_port, workdir, "mooncake_client")
+
+    def _repick_master(self) -> None:
+        # The client is started after the master, so its command can still change with the master's ports.
+        self.rpc_port, self.meta_port, self.metrics_port = (free_port() for _ in range(3))
+        self.master.argv, self.master.ports = self._master_argv(), self._master_ports()
+        self.pool.argv = self._pool_argv()
+
+    def _repick_pool(self) -> None:
+        self.pool_port = free_port()
+        self.pool.argv, self.pool.ports = self._pool_argv(), [self.pool_port]
 
     @property
     def metadata(self) -> str:

@@ -5,15 +5,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import socket
 import subprocess
 import sys
 import tarfile
-import time
 from pathlib import Path
 
 import pytest
+from _servers import redis_server  # noqa: F401  (fixture)
 from cli_helpers import LAYOUT, cache, populate, run_tierkv  # noqa: F401  (fixtures)
 
 from tierkv import KVLayout
@@ -185,29 +183,14 @@ def test_bench_runs_the_checkouts_tier_benchmark(tmp_path):
 
 
 @pytest.mark.redis
-def test_info_probes_a_real_l4_pool(cache, tmp_path):
-    server = shutil.which("redis-server")
-    if server is None:
-        pytest.skip("redis-server is not installed (make system-deps)")
+def test_info_probes_a_real_l4_pool(cache, redis_server):
     populate(cache)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([server, "--port", str(port), "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        for _ in range(100):
-            with socket.socket() as probe:
-                if probe.connect_ex(("127.0.0.1", port)) == 0:
-                    break
-            time.sleep(0.05)
-        r = run_tierkv("info", "--json", "--cache-dir", str(cache), env={"TIERKV_L4_URL": f"redis://127.0.0.1:{port}"})
-        assert r.code == 0, r.err
-        assert r.json()["tiers"]["l4"]["reachable"] is True and r.json()["tiers"]["l4"]["backend"] == "redis"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-    r = run_tierkv("info", "--json", "--cache-dir", str(cache), env={"TIERKV_L4_URL": f"redis://127.0.0.1:{port}"})
+    env = {"TIERKV_L4_URL": f"redis://127.0.0.1:{redis_server.port}"}
+    r = run_tierkv("info", "--json", "--cache-dir", str(cache), env=env)
+    assert r.code == 0, r.err
+    assert r.json()["tiers"]["l4"]["reachable"] is True and r.json()["tiers"]["l4"]["backend"] == "redis"
+    redis_server.stop()
+    r = run_tierkv("info", "--json", "--cache-dir", str(cache), env=env)
     assert r.code == 0 and r.json()["tiers"]["l4"]["reachable"] is False
 
 

@@ -1,13 +1,15 @@
 """A model-free stand-in for `tierkv serve` to test the router alone: a real store, real events, real HTTP.
 
-``python store_node.py PORT L3_DIR`` serves /health, /v1/models, the node API of ``tierkv.route.node_api``
-(``/v1/kv/match``, ``/v1/kv/status``) and a /v1/chat/completions whose "model" tokenizes each message word
-as one token, looks the prompt up in the store (``cached_tokens``), saves its blocks and answers with the
-serving node's port. Only the router is under test here; tests/route/test_route_serve.py runs real nodes.
+``python store_node.py PORT L3_DIR`` (PORT 0: a free one) binds PORT, prints ``store node on
+http://127.0.0.1:BOUND`` as its first stdout line, and serves /health, /v1/models, the node API of
+``tierkv.route.node_api`` (``/v1/kv/match``, ``/v1/kv/status``) and a /v1/chat/completions whose "model"
+tokenizes each message word as one token, looks the prompt up in the store (``cached_tokens``), saves its
+blocks and answers with the serving node's port. Only the router is under test here; tests/route/test_route_serve.py runs real nodes.
 """
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,6 +37,8 @@ class WordTokens:
 
 
 def main(port: int, l3_dir: str) -> None:
+    sock = socket.create_server(("127.0.0.1", port))  # bound before anything else: a port in use fails fast
+    port = sock.getsockname()[1]
     # write-through: every saved block reaches L3, so a restarted node still holds (and announces) it.
     cfg = store_config(LAYOUT, 64, 256, l3_dir, policy=PolicyConfig(name="lru", write="write_through"))
     store = TierKVStore(cfg, LAYOUT, l1_blocks=64)
@@ -67,9 +71,11 @@ def main(port: int, l3_dir: str) -> None:
                 "usage": {"prompt_tokens": len(ids), "completion_tokens": 3, "total_tokens": len(ids) + 3,
                           "prompt_tokens_details": {"cached_tokens": cached}}}
 
+    print(f"store node on http://127.0.0.1:{port}", flush=True)
     try:
-        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     finally:
+        sock.close()
         publisher.close()
         store.close()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from route_helpers import free_port, status, until, wait_http
+from route_helpers import hold_port, start_server, status, until
 
 openai = pytest.importorskip("openai")
 HERE = Path(__file__).resolve().parent
@@ -24,23 +25,35 @@ WORDS = " ".join(f"word{i}" for i in range(120))  # 120 tokens: 15 blocks of 8
 
 
 class Nodes:
+    """The two store nodes and the router; each binds a port of its own choosing (port 0) and reports it."""
+
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
-        self.ports = {n: free_port() for n in ("a", "b", "router")}
+        self.ports: dict[str, int] = {}
         self.procs: dict[str, subprocess.Popen] = {}
+        self.held: dict[str, socket.socket] = {}
 
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.ports[name]}"
 
     def start(self, name: str) -> None:
+        """Start ``name`` on a free port, or on its old one if it ran before (the router knows it by URL)."""
+        port = str(self.ports.get(name, 0))
         if name == "router":
             cmd = [sys.executable, "-m", "tierkv.cli", "route", "--node", self.url("a"), "--node", self.url("b"),
-                   "--port", str(self.ports[name]), "--timeout", "1", "--poll", "0.1"]
+                   "--port", port, "--timeout", "1", "--poll", "0.1"]
         else:
-            cmd = [sys.executable, str(HERE / "store_node.py"), str(self.ports[name]), str(self.tmp / name)]
-        self.procs[name] = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                            env=dict(os.environ))
-        wait_http(f"{self.url(name)}/health", self.procs[name], timeout=120)
+            cmd = [sys.executable, str(HERE / "store_node.py"), port, str(self.tmp / name)]
+        self.procs[name], self.ports[name] = start_server(name, cmd, self.tmp / f"{name}.log", env=dict(os.environ),
+                                                          timeout=120)
+        if name in self.held:
+            self.held.pop(name).close()
+
+    def kill(self, name: str) -> None:
+        """SIGKILL ``name``; its port stays reserved (refusing connections) for its restart."""
+        self.procs[name].send_signal(signal.SIGKILL)
+        self.procs[name].wait(timeout=30)
+        self.held[name] = hold_port(self.ports[name])
 
     def close(self) -> None:
         for proc in self.procs.values():
@@ -51,6 +64,8 @@ class Nodes:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        for s in self.held.values():
+            s.close()
 
 
 @pytest.fixture
@@ -88,8 +103,7 @@ def test_prefix_affinity_failover_and_restart(nodes):
     victim = "a" if first == nodes.url("a") else "b"
     other = nodes.url("b" if victim == "a" else "a")
     old = status(router)[first]["instance_id"]
-    nodes.procs[victim].send_signal(signal.SIGKILL)
-    nodes.procs[victim].wait(timeout=30)
+    nodes.kill(victim)
     # At once, before a status poll could notice: the router learns from the refused connection.
     for i in range(3):
         node, r = chat(client, convo + [{"role": "user", "content": f"retry {i}"}])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from route_helpers import free_port, status, until, wait_http
+from route_helpers import hold_port, start_server, status, until
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
@@ -28,32 +29,39 @@ SYSTEM = ("You are a terse assistant for a hardware store. Answer in one short s
 
 
 class Fleet:
+    """Two `tierkv serve` nodes and a router; each binds a port of its own choosing (--port 0) and prints it."""
+
     def __init__(self, tmp: Path, model: Path) -> None:
         self.tmp, self.model = tmp, model
         self.procs: dict[str, subprocess.Popen] = {}
-        self.ports = {name: free_port() for name in ("a", "b")}
+        self.ports: dict[str, int] = {}
+        self.held: dict[str, socket.socket] = {}
         self.env = {**os.environ, "TIERKV_L3_CAPACITY": "64MiB", "TIERKV_L2_CAPACITY": "32MiB"}
 
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.ports[name]}"
 
     def start_node(self, name: str) -> None:
+        """Start node ``name`` on a free port, or on its old one if it ran before (the router knows it by URL)."""
         cmd = [sys.executable, "-m", "tierkv.cli", "serve", "--model", str(self.model), "--port",
-               str(self.ports[name]), "--num-blocks", "256", "--threads", "1",
+               str(self.ports.get(name, 0)), "--num-blocks", "256", "--threads", "1",
                "--cache-dir", str(self.tmp / name), "--kv-events", "tcp://127.0.0.1:0"]
-        self.procs[name] = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                            text=True)
-        wait_http(f"{self.url(name)}/health", self.procs[name])
+        self.procs[name], self.ports[name] = start_server(name, cmd, self.tmp / f"{name}.log", env=self.env)
+        if name in self.held:
+            self.held.pop(name).close()
+
+    def kill_node(self, name: str) -> None:
+        """SIGKILL node ``name``; its port stays reserved (refusing connections) for its restart."""
+        self.procs[name].send_signal(signal.SIGKILL)
+        self.procs[name].wait(timeout=30)
+        self.held[name] = hold_port(self.ports[name])
 
     def start_router(self, timeout: float = 5.0) -> str:
-        port = free_port()
         cmd = [sys.executable, "-m", "tierkv.cli", "route", "--node", self.url("a"), "--node", self.url("b"),
-               "--port", str(port), "--timeout", str(timeout), "--poll", "0.3"]
-        self.procs["router"] = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                                text=True)
-        router = f"http://127.0.0.1:{port}"
-        wait_http(f"{router}/health", self.procs["router"])
-        return router
+               "--port", "0", "--timeout", str(timeout), "--poll", "0.3"]
+        self.procs["router"], self.ports["router"] = start_server("router", cmd, self.tmp / "router.log",
+                                                                  env=self.env)
+        return self.url("router")
 
     def close(self) -> None:
         for proc in self.procs.values():
@@ -64,6 +72,8 @@ class Fleet:
                 proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        for s in self.held.values():
+            s.close()
 
 
 @pytest.fixture
@@ -116,8 +126,7 @@ def test_turn_two_follows_its_prefix_and_a_killed_node_costs_no_request(fleet):
     other = next(u for u in (fleet.url("a"), fleet.url("b")) if u != first)
     victim = "a" if first == fleet.url("a") else "b"
     old_instance = status(router)[first]["instance_id"]
-    fleet.procs[victim].send_signal(signal.SIGKILL)
-    fleet.procs[victim].wait(timeout=30)
+    fleet.kill_node(victim)
     convo += [{"role": "assistant", "content": r2.choices[0].message.content},
               {"role": "user", "content": "What about paint?"}]
     for _ in range(3):

@@ -14,7 +14,8 @@ from tierkv.cli.common import CLIError, Debug, app, console
 def route_cmd(
     node: Annotated[list[str], typer.Option("--node", help="A `tierkv serve` base URL; repeat for each node.")],
     host: Annotated[str, typer.Option("--host", help="Address to listen on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option("--port", "-p", min=0, max=65535, help="Port.")] = 9000,
+    port: Annotated[int, typer.Option("--port", "-p", min=0, max=65535, help="Port (0 picks a free one; the first "
+                                      "line printed names the port bound).")] = 9000,
     policy: Annotated[str, typer.Option("--policy", help="cost_model, tier_weighted, longest_prefix, hash "
                                         "or round_robin.")] = "cost_model",
     timeout: Annotated[float, typer.Option("--timeout", min=0.01, help="Seconds a node may take to answer a "
@@ -25,6 +26,8 @@ def route_cmd(
     debug: Debug = False,
 ) -> None:
     """Route OpenAI requests to the node whose cache and queue give the lowest time to first token."""
+    import socket
+
     import uvicorn
 
     from tierkv.route.nodes import NodePool
@@ -38,5 +41,17 @@ def route_cmd(
         proxy = RouteProxy(NodePool(node, timeout_s=timeout, poll_s=poll), policy, **options)
     except ValueError as exc:
         raise CLIError(str(exc), 2) from None
-    console.print(f"tierkv route: {policy} over {len(node)} nodes on http://{host}:{port}/v1", markup=False)
-    uvicorn.run(proxy.app, host=host, port=port, log_level="warning", access_log=False)
+    # Bound here, not by uvicorn: with --port 0 the line below names the port the kernel gave, and a caller
+    # that reads it (tests, scripts) can never race another process for a port picked before the bind.
+    try:
+        sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+    except OSError as exc:
+        raise CLIError(f"--port: cannot listen on {host}:{port}: {exc.strerror}") from None
+    bound_host, bound_port = sock.getsockname()[:2]
+    where = f"[{bound_host}]" if ":" in bound_host else bound_host
+    console.print(f"tierkv route: {policy} over {len(node)} nodes on http://{where}:{bound_port}/v1", markup=False,
+                  soft_wrap=True)
+    try:
+        uvicorn.Server(uvicorn.Config(proxy.app, log_level="warning", access_log=False)).run(sockets=[sock])
+    finally:
+        sock.close()
