@@ -254,7 +254,7 @@ def timed(llm: LLM, prompt: list[int], cold, hit: int) -> float:
 def put_rounds(args, work: Path) -> dict:
     layout = KVLayout(num_layers=16, num_kv_heads=4, head_dim=64, block_size=16, dtype="float16")  # 256 KiB
     n, chain = (128, 32) if args.quick else (256, 64)
-    rounds, reps = (4, 3) if args.quick else (8, 3)  # reps: timed puts per phase
+    rounds, reps = (4, 6) if args.quick else (8, 6)  # reps: timed puts per phase
     phases = 4  # idle, busy (paced), unpaced, raw IO
     cfg = StoreConfig(l2=L2Config(capacity=(phases * rounds * reps * n + 2 * chain) * layout.block_bytes, pin=False),
                       l3=L3Config(path=str(work / "put-l3"), capacity=chain * layout.block_bytes),

@@ -14,7 +14,7 @@ import torch
 
 from tierkv.config import IOConfig, StoreConfig
 from tierkv.index import Tier
-from tierkv.pacing import Pacer
+from tierkv.pacing import BACKGROUND, COMPUTE, TRANSFER, Pacer
 from tierkv.store import TierKVStore
 
 from _kv import LAYOUT, block_for, key_of, same_bytes, store_config
@@ -40,10 +40,22 @@ def test_piece_under_foreground_earns_a_pause_of_its_share() -> None:
     with p.foreground():
         with p.piece():
             clock.t += 2.0  # the piece took 2 s
-        assert p.resume_at == pytest.approx(clock.t + 6.0)  # 2 s at 25 %: 6 s of pause
+        assert p.resume_at() == pytest.approx(clock.t + 6.0)  # 2 s at 25 %: 6 s of pause
     with p.piece():
         clock.t += 5.0  # no foreground: no pause earned
-    assert p.resume_at == pytest.approx(108.0)
+    assert p.resume_at() == pytest.approx(108.0)
+
+
+def test_opening_a_section_pauses_lower_ranks_as_their_last_piece_would() -> None:
+    clock = Clock()
+    p = Pacer(0.25, clock=clock)
+    with p.piece():
+        clock.t += 1.0  # no foreground: nothing earned, but the piece's length is remembered
+    assert p.resume_at() == 0.0
+    clock.t += 50.0
+    with p.foreground(TRANSFER):
+        assert p.resume_at(BACKGROUND) == pytest.approx(clock.t + 3.0)
+        assert p.resume_at(TRANSFER) == 0.0  # a put is not paced by another put
 
 
 def test_nested_pieces_charge_each_second_once() -> None:
@@ -54,10 +66,10 @@ def test_nested_pieces_charge_each_second_once() -> None:
             clock.t += 1.0
             with p.piece():
                 clock.t += 3.0
-            assert p.resume_at == pytest.approx(clock.t + 3.0)
+            assert p.resume_at() == pytest.approx(clock.t + 3.0)
             clock.t += 1.0
         # the outer piece charges its own 2 s only: pause 2 s from now, not 5
-        assert p.resume_at == pytest.approx(clock.t + 2.0)
+        assert p.resume_at() == pytest.approx(clock.t + 2.0)
 
 
 def test_gate_waits_only_while_foreground_runs() -> None:
@@ -97,13 +109,37 @@ def test_urgent_job_opens_the_gate_until_it_starts() -> None:
     assert not t.is_alive()
 
 
+def test_ranks_yield_only_upwards() -> None:
+    """A TRANSFER piece (a put's copies) is paced by an engine step, not by another put; a BACKGROUND
+    piece is paced by either."""
+    clock = Clock()
+    p = Pacer(0.5, clock=clock)
+    with p.foreground(TRANSFER):
+        with p.piece(TRANSFER):
+            clock.t += 1.0
+        assert p.resume_at(TRANSFER) == 0.0  # nothing above a put: no pause earned
+        with p.piece(BACKGROUND):
+            clock.t += 1.0
+        assert p.resume_at(BACKGROUND) == pytest.approx(clock.t + 1.0)
+    with p.foreground(COMPUTE):
+        with p.piece(TRANSFER):
+            clock.t += 2.0
+        assert p.resume_at(TRANSFER) == pytest.approx(clock.t + 2.0)
+        t = threading.Thread(target=p.gate, args=(TRANSFER,), daemon=True)
+        t.start()
+        t.join(0.3)
+        assert t.is_alive(), "a put's copies did not yield to the engine's step"
+    t.join(5)
+    assert not t.is_alive()
+
+
 def test_unpaced_is_a_no_op() -> None:
     p = Pacer(1.0)
     fn = len
     assert p.urgent(fn) is fn
     with p.foreground(), p.piece():
         pass
-    assert p.resume_at == 0.0 and not p.enabled
+    assert p.resume_at() == 0.0 and not p.enabled
 
 
 @pytest.mark.parametrize("bad", [0, 0.0, -0.5, 1.5, float("nan"), "half", True])

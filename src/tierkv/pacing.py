@@ -1,30 +1,33 @@
-"""Background IO yields to foreground work: a duty-cycle pacer (docs/design.md §9).
+"""Background IO yields to foreground work: a duty-cycle pacer with three ranks (docs/design.md §9).
 
-Foreground work is what a request waits for: the engine's forward pass, a
-caller's ``put_blocks``, a load. It announces itself with ``with
-pacer.foreground():`` (reentrant, from any number of threads). Background
-work is what nobody waits for right now: demotions written behind,
-write-through and persist copies, L4 sends. It runs in pieces (one run of a
-plan's ops, one slice of a disk write), each inside ``with pacer.piece():``.
+Work has a rank. ``COMPUTE``: the engine's step, what every request in the
+batch waits for. ``TRANSFER``: a caller's ``put_blocks`` copying blocks into
+L2 (the vLLM connector's saves, ``tierkv warm``). ``BACKGROUND``: what nobody
+waits for right now — demotions written behind, write-through and persist
+copies, L4 sends. A section of rank r announces itself with ``with
+pacer.foreground(r):`` (reentrant, from any number of threads); work that
+should yield runs in pieces, each inside ``with pacer.piece(r):`` — one run
+of a plan's ops, one slice of a disk write, one block's checksum, one put's
+copies.
 
-The rule: while foreground work is active, background pieces are spaced so
-that they fill at most ``share`` of wall time — a piece that took d seconds
-is followed by a pause of d × (1 − share) / share, cut short the moment the
-foreground ends. d is wall time, waits on the device included: what slows
-the foreground is the whole stream (the tenant's copies that feed it, the
+The rule: while a section of higher rank than a piece is open, pieces of
+that rank are spaced so that they fill at most ``share`` of wall time — a
+piece that took d seconds is followed by a pause of d × (1 − share) / share,
+cut short the moment no higher-rank section is open. Opening a section counts
+as the end of such a piece: lower ranks wait the pause their last piece would
+have earned, so a short section (a 2 ms put) is not overlapped by a piece
+that starts just after it opened. With nothing above it, a piece runs at once. d is wall time, device waits included: what slows the
+forward is the whole write-back stream (the tenant's copies that feed it, the
 device's DMA, the Python around it), not only the piece's own CPU time
-(charging CPU time alone left the engine 1.5x slower in bench/contention.py). With no foreground work, background runs flat out. A load
-queued behind a background piece (L3 reads share the IO thread with writes)
-is counted as ``urgent`` and ends every pause at once, so pacing never delays
-a read a request waits for.
+(charging CPU time alone left the engine 1.5x slower in bench/contention.py).
 
-Why: on a small host the engine's forward is bound by memory bandwidth and
-by the GIL, and a thread that moves gigabytes per second or runs Python
-beside it slows it by 1.3–2× (bench/contention.py). Pacing trades background
-throughput for foreground latency; ``share = 1.0`` turns it off.
+A load queued behind a background piece (L3 reads share the IO thread with
+writes) is counted as ``urgent`` and ends every pause at once, so pacing never
+delays a read a request waits for.
 
 Thread-safety: every method is safe from any thread; one condition guards
-the state. Nothing here touches tiers or the index.
+the state. Nothing here touches tiers or the index; a piece must never be
+entered with the store lock held (it may wait).
 """
 
 from __future__ import annotations
@@ -37,9 +40,12 @@ from typing import TypeVar
 
 T = TypeVar("T")
 
+BACKGROUND, TRANSFER, COMPUTE = 0, 1, 2
+_RANKS = 3
+
 
 class Pacer:
-    """Spaces background pieces while foreground work runs. See the module docstring."""
+    """Spaces lower-rank pieces while higher-rank sections run. See the module docstring."""
 
     def __init__(self, share: float = 1.0, clock: Callable[[], float] = time.perf_counter) -> None:
         if not 0.0 < share <= 1.0:
@@ -47,9 +53,10 @@ class Pacer:
         self.share = share
         self._clock = clock
         self._cond = threading.Condition(threading.Lock())
-        self._foreground = 0  # foreground sections open now
-        self._urgent = 0  # foreground jobs queued behind background work, not started yet
-        self._resume_at = 0.0  # the clock time before which the next piece waits (while foreground)
+        self._open = [0] * _RANKS  # foreground sections open now, per rank
+        self._urgent = 0  # loads queued behind background work, not started yet
+        self._resume_at = [0.0] * _RANKS  # per piece rank: no start before this while a higher rank runs
+        self._last = [0.0] * _RANKS  # per piece rank: the duration charged for its last piece
         self._nested = threading.local()  # per thread: seconds charged by pieces inside the open one
         self.paused_s = 0.0  # total time pieces waited (a counter for stats and benchmarks)
 
@@ -57,28 +64,36 @@ class Pacer:
     def enabled(self) -> bool:
         return self.share < 1.0
 
-    @property
-    def resume_at(self) -> float:
-        """When the next background piece may start if foreground work is still active."""
-        return self._resume_at
+    def resume_at(self, rank: int = BACKGROUND) -> float:
+        """When the next piece of ``rank`` may start if a higher-rank section is still open."""
+        return self._resume_at[rank]
+
+    def open_sections(self, rank: int = COMPUTE) -> int:
+        """Foreground sections of ``rank`` open now."""
+        return self._open[rank]
 
     @contextmanager
-    def foreground(self) -> Iterator[None]:
-        """Mark the enclosed work as foreground (a request waits for it). Reentrant; any thread."""
+    def foreground(self, rank: int = COMPUTE) -> Iterator[None]:
+        """Mark the enclosed work as foreground of ``rank`` (TRANSFER or COMPUTE): lower-rank pieces
+        are paced while it runs. Reentrant; any thread."""
         with self._cond:
-            self._foreground += 1
+            self._open[rank] += 1
+            if self.enabled:
+                now = self._clock()
+                for low in range(rank):
+                    self._resume_at[low] = max(self._resume_at[low], now + self._pause(self._last[low]))
         try:
             yield
         finally:
             with self._cond:
-                self._foreground -= 1
-                if not self._foreground:
+                self._open[rank] -= 1
+                if not self._open[rank]:
                     self._cond.notify_all()
 
     def urgent(self, fn: Callable[..., T]) -> Callable[..., T]:
-        """Count ``fn`` (a foreground job about to be queued on a thread that also runs background
-        pieces) as urgent until it starts; while any is, pieces do not wait. Returns the wrapper
-        to queue instead of ``fn``; call it exactly once."""
+        """Count ``fn`` (a load about to be queued on a thread that also runs background pieces) as
+        urgent until it starts; while any is, no piece waits. Returns the wrapper to queue instead
+        of ``fn``; call it exactly once."""
         if not self.enabled:
             return fn
         with self._cond:
@@ -92,40 +107,48 @@ class Pacer:
 
         return run
 
-    def _must_wait(self) -> bool:
-        return bool(self._foreground) and not self._urgent and self._clock() < self._resume_at
+    def _above(self, rank: int) -> bool:
+        return any(self._open[rank + 1:])
 
-    def gate(self) -> None:
-        """Block until a background piece may start: at once without foreground work, else once the
-        pause the last piece earned has passed (or the foreground ended, or a job became urgent)."""
+    def _must_wait(self, rank: int) -> bool:
+        return self._above(rank) and not self._urgent and self._clock() < self._resume_at[rank]
+
+    def gate(self, rank: int = BACKGROUND) -> None:
+        """Block until a piece of ``rank`` may start: at once with no higher-rank section open, else
+        once the pause the last such piece earned has passed (or the sections closed, or a load
+        became urgent)."""
         if not self.enabled:
             return
         with self._cond:
-            if not self._must_wait():
+            if not self._must_wait(rank):
                 return
             start = self._clock()
-            while self._must_wait():
-                self._cond.wait(max(self._resume_at - self._clock(), 0.0))
+            while self._must_wait(rank):
+                self._cond.wait(max(self._resume_at[rank] - self._clock(), 0.0))
             self.paused_s += self._clock() - start
 
-    def charge(self, seconds: float) -> None:
-        """Record a background piece that took ``seconds``: if foreground work is active now, the next
-        piece waits ``seconds × (1 − share) / share`` from now."""
+    def charge(self, seconds: float, rank: int = BACKGROUND) -> None:
+        """Record a piece of ``rank`` that took ``seconds``: if a higher-rank section is open now, the
+        next piece of that rank waits ``seconds × (1 − share) / share`` from now."""
         if not self.enabled:
             return
         with self._cond:
-            if self._foreground:
-                pause = seconds * (1.0 - self.share) / self.share
-                self._resume_at = max(self._resume_at, self._clock() + pause)
+            self._last[rank] = seconds
+            if self._above(rank):
+                self._resume_at[rank] = max(self._resume_at[rank], self._clock() + self._pause(seconds))
+
+    def _pause(self, seconds: float) -> float:
+        return seconds * (1.0 - self.share) / self.share
 
     @contextmanager
-    def piece(self) -> Iterator[None]:
-        """Run the enclosed background piece after ``gate()``, then ``charge`` its duration. Pieces nest (a mover's run around a tier's slices of one write): the inner
-        ones gate and charge their own time, the outer one charges only the rest."""
+    def piece(self, rank: int = BACKGROUND) -> Iterator[None]:
+        """Run the enclosed piece of ``rank`` after ``gate(rank)``, then ``charge`` its duration. Pieces
+        nest (a mover's run around a tier's slices of one write): the inner ones gate and charge
+        their own time, the outer one charges only the rest."""
         if not self.enabled:
             yield
             return
-        self.gate()
+        self.gate(rank)
         outer = getattr(self._nested, "charged", None)
         self._nested.charged = 0.0
         start = self._clock()
@@ -133,7 +156,7 @@ class Pacer:
             yield
         finally:
             used = self._clock() - start
-            self.charge(max(used - self._nested.charged, 0.0))
+            self.charge(max(used - self._nested.charged, 0.0), rank)
             self._nested.charged = None if outer is None else outer + used
 
 

@@ -28,7 +28,7 @@ from tierkv.layout import KVLayout
 from tierkv.metrics import TIER_NAMES, Metrics
 from tierkv.matching import Matcher
 from tierkv.moves import Mover, Plan
-from tierkv.pacing import Pacer
+from tierkv.pacing import TRANSFER, Pacer
 from tierkv.placement import Placement
 from tierkv.reads import Loader, Match
 from tierkv.tierset import make_policies, open_tiers
@@ -219,8 +219,11 @@ class TierKVStore:
         """Store blocks that live outside L1 (e.g. gathered from vLLM's cache) in the highest tier
         below L1. Synchronous for L2 and L3 (on return, written; L3 durably, without the lock
         held); an L4 put is queued, as every L4 put. Returns stored (or already held) per block.
-        The copies into L2 are foreground work (``foreground``); the demotions they cause are not."""
-        with self.pacer.foreground(), self._lock:
+        Pacing (``tierkv.pacing``): the copies into L2 yield to an engine step running meanwhile and
+        are foreground to background writes; the demotions they cause are background."""
+        # The copies yield to the engine's step (a TRANSFER piece, gated before the lock is taken)
+        # and are foreground to the background writes.
+        with self.pacer.piece(TRANSFER), self.pacer.foreground(TRANSFER), self._lock:
             plan = Plan()
             out, in_l2 = self.placement.put_blocks(keys, blocks, start, plan)
             if self.config.policy.write == "write_through":

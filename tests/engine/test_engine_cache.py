@@ -156,10 +156,10 @@ def test_the_step_is_the_stores_foreground_work(make_llm) -> None:
     run = llm.runner.run
 
     def watched(batch):
-        seen.append(llm.store.pacer._foreground)
+        seen.append(llm.store.pacer.open_sections())
         return run(batch)
 
     llm.runner.run = watched
     llm.generate([prompts(1)[0]], GREEDY)
     assert seen and all(n == 1 for n in seen)
-    assert llm.store.pacer._foreground == 0
+    assert llm.store.pacer.open_sections() == 0
