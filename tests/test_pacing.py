@@ -122,6 +122,9 @@ def test_ranks_yield_only_upwards() -> None:
             clock.t += 1.0
         assert p.resume_at(BACKGROUND) == pytest.approx(clock.t + 1.0)
     with p.foreground(COMPUTE):
+        # Opening the step pauses the put's copies as their last piece (1 s at 50 %) would have.
+        assert p.resume_at(TRANSFER) == pytest.approx(clock.t + 1.0)
+        clock.t += 1.0
         with p.piece(TRANSFER):
             clock.t += 2.0
         assert p.resume_at(TRANSFER) == pytest.approx(clock.t + 2.0)
@@ -163,8 +166,8 @@ def hold_pause(store: TierKVStore) -> Clock:
     """Freeze the store's pacer inside a pause that never ends by itself."""
     clock = Clock()
     store.pacer._clock = clock
-    with store.pacer.foreground(), store.pacer.piece():
-        clock.t += 1.0
+    with store.pacer.foreground():
+        store.pacer.charge(1.0)  # a 1 s background piece just ended: 3 s of pause at 25 %
     return clock
 
 
