@@ -371,7 +371,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=0,
                    help="lookup rounds, 10 lookups per store each (default 201; 41 with --quick)")
     p.add_argument("--put-rounds", type=int, default=0,
-                   help="put rounds, 4 slots per kind each (default 60; 15 with --quick)")
+                   help="put rounds, 4 slots per kind each (default 60; 12 with --quick)")
     p.add_argument("--puts-per-slot", type=int, default=PER_SLOT,
                    help=f"puts streamed back to back in a slot (default {PER_SLOT}); 1: a flush after every put, "
                         "so every put is a batch of its own (the worst case: no batching at all)")
@@ -379,7 +379,7 @@ def main() -> None:
     if args.puts_per_slot < 1:
         p.error("--puts-per-slot: expected an integer >= 1")
     rounds = args.rounds or (41 if args.quick else 201)
-    put_rounds = args.put_rounds or (15 if args.quick else 60)
+    put_rounds = args.put_rounds or (12 if args.quick else 60)
     load_before = os.getloadavg()
     torch.set_num_threads(1)
     rng = random.Random(1)
