@@ -65,6 +65,9 @@ class Recorder:
     def stored(self, key, tier) -> None:
         self.calls.append(("stored", key, int(tier)))
 
+    def stored_keys(self, keys, tier) -> None:  # a save's chain, in one call
+        self.calls.extend(("stored", key, int(tier)) for key in keys)
+
     def removed(self, key, tier) -> None:
         self.calls.append(("removed", key, int(tier)))
 

@@ -124,6 +124,70 @@ def test_a_batch_is_the_net_change():
     assert got == [([(b"x", L1)], []), ([(b"c", L2), (b"d", Tier.L4)], [(b"c", L1)])]
 
 
+def _batch_after(ops, bulk: bool) -> tuple:
+    """The pending batch a TierEvents holds after ``ops`` ((stored?, keys, tier) each), recorded key by
+    key or one call per op (``stored_keys``/``removed_keys``); the thread never delivers (long window)."""
+    events = TierEvents(window_s=3600)
+    events.add_listener(lambda s, r: None, by_tier=True)
+    with events.lock:
+        for is_stored, keys, tier in ops:
+            if bulk:
+                (events.stored_keys if is_stored else events.removed_keys)(keys, tier)
+            else:
+                for key in keys:
+                    (events.stored if is_stored else events.removed)(key, tier)
+    new, gone = events._batch
+    batch = [list(d.items()) for d in new], [list(d.items()) for d in gone]  # contents and order
+    events.close()
+    return batch
+
+
+def test_recording_a_chain_in_one_call_nets_out_as_key_by_key():
+    rng = random.Random(5)
+    keys = [bytes([i]) * 16 for i in range(12)]  # few keys: stores and removals of one key meet often
+    for _ in range(200):
+        ops = [(rng.random() < 0.5, [rng.choice(keys) for _ in range(rng.randrange(0, 6))], rng.randrange(4))
+               for _ in range(rng.randrange(1, 12))]
+        assert _batch_after(ops, bulk=True) == _batch_after(ops, bulk=False), ops
+
+
+def test_nothing_is_recorded_in_bulk_without_a_listener():
+    events = TierEvents(window_s=3600)
+    with events.lock:
+        events.stored_keys([b"a" * 16], L1)
+        events.removed_keys([b"b" * 16], L2)
+    assert not events._pending() and not events._armed
+    events.close()
+
+
+def test_a_save_tells_the_events_its_chain_in_one_call_in_c_and_python():
+    from tierkv.policy import make_policy
+    from tierkv.index import PrefixIndex
+
+    class Calls:
+        _listeners = (1,)
+
+        def __init__(self):
+            self.calls = []
+
+        def stored(self, key, tier):
+            self.calls.append(("stored", key, tier))
+
+        def stored_keys(self, keys, tier):
+            self.calls.append(("stored_keys", list(keys), tier))
+
+    chain = [bytes([i]) * 16 for i in range(5)]
+    for native in (False, None):
+        index = PrefixIndex([make_policy("lru", t, lower=t + 1 if t < 2 else None) for t in (L1, L2, Tier.L3)],
+                            native=native)
+        index.events = Calls()
+        index.save_chain(chain[:2], 0, L2)
+        index.save_chain(chain, 0, L2)      # the first two are held already: only the rest are news
+        index.events._listeners = ()        # nobody listens: no list is gathered, no call made
+        index.save_chain(chain, 0, L1)
+        assert index.events.calls == [("stored_keys", chain[:2], L2), ("stored_keys", chain[2:], L2)], native
+
+
 def test_a_by_tier_listener_gets_the_same_batches_as_key_lists(make_store, layout):
     store = make_store(l1=4, l2=4, l3=16)
     pairs, lists = Recorder(), []

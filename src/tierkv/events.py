@@ -130,6 +130,47 @@ class TierEvents:
                 self._armed = True
                 self._alarm.arm(self.window_s)
 
+    def stored_keys(self, keys: list[bytes], tier: int) -> None:
+        """``stored`` of every key of ``keys``, in order (one call for a save's whole chain). Caller
+        holds ``lock``."""
+        if self._listeners and keys:
+            self._recording = True
+            try:
+                new, gone = self._batch
+                new, gone = new[tier], gone[tier]
+                if not gone or gone.keys().isdisjoint(keys):  # the common case: nothing nets out
+                    new.update(dict.fromkeys(keys, True))
+                else:
+                    pop = gone.pop
+                    for key in keys:
+                        if pop(key, None) is None:
+                            new[key] = True
+            finally:
+                self._recording = False
+            if not self._armed:
+                self._armed = True
+                self._alarm.arm(self.window_s)
+
+    def removed_keys(self, keys: list[bytes], tier: int) -> None:
+        """``removed`` of every key of ``keys``, in order. Caller holds ``lock``."""
+        if self._listeners and keys:
+            self._recording = True
+            try:
+                new, gone = self._batch
+                new, gone = new[tier], gone[tier]
+                if not new or new.keys().isdisjoint(keys):
+                    gone.update(dict.fromkeys(keys, True))
+                else:
+                    pop = new.pop
+                    for key in keys:
+                        if pop(key, None) is None:
+                            gone[key] = True
+            finally:
+                self._recording = False
+            if not self._armed:
+                self._armed = True
+                self._alarm.arm(self.window_s)
+
     def _pending(self) -> bool:
         new, gone = self._batch
         return any(new) or any(gone)

@@ -131,7 +131,8 @@ class PrefixIndex:
         self._removal_listeners: tuple[Callable[[bytes], None], ...] = ()
         self._listeners_lock = threading.Lock()
         self.listener_errors = 0
-        # Optional tierkv.events.TierEvents: told of every (key, tier) this index adds or drops.
+        # Optional tierkv.events.TierEvents: told of every (key, tier) this index adds or drops (a
+        # save's chain in one stored_keys call, when anyone listens; each other change by itself).
         self.events = None
         if native is False:
             self._c = None
@@ -240,55 +241,60 @@ class PrefixIndex:
         get = entries.get
         bit, clock, admit, policy = 1 << tier, self.clock, self._admits[tier], self.policies[tier]
         events = self.events
+        recorded: list[bytes] | None = [] if events is not None and getattr(events, "_listeners", True) else None
         pinned: list[Entry] = []
         append = pinned.append
         parent = keys[start - 1] if start else None
         parent_entry = None if parent is None else (get(parent) or uncached.get(parent))
         depth = start
         skipped = 0  # blocks the tier held already
-        for key in keys[start:] if start else keys:
-            entry = get(key)
-            if entry is None:
-                revived = uncached.pop(key, None) if uncached else None
-                if revived is None:
-                    # New (the common case): listed nowhere, so pinning it is setting the count.
-                    entry = entries[key] = Entry(key, parent, depth, clock, bit, 1)
-                    append(entry)
-                else:  # a parent no tier held: listed nowhere, perhaps pinned
-                    entry = entries[key] = revived
-                    entry.parent, entry.depth, entry.last_access = parent, depth, clock
-                    entry.mask, entry.best = bit, _BEST[bit]
+        try:
+            for key in keys[start:] if start else keys:
+                entry = get(key)
+                if entry is None:
+                    revived = uncached.pop(key, None) if uncached else None
+                    if revived is None:
+                        # New (the common case): listed nowhere, so pinning it is setting the count.
+                        entry = entries[key] = Entry(key, parent, depth, clock, bit, 1)
+                        append(entry)
+                    else:  # a parent no tier held: listed nowhere, perhaps pinned
+                        entry = entries[key] = revived
+                        entry.parent, entry.depth, entry.last_access = parent, depth, clock
+                        entry.mask, entry.best = bit, _BEST[bit]
+                        if entry.ref_count == 0:
+                            entry.ref_count = 1
+                            append(entry)
+                elif entry.mask & bit:
+                    parent, parent_entry = key, entry
+                    depth += 1
+                    skipped += 1
+                    continue
+                else:
                     if entry.ref_count == 0:
                         entry.ref_count = 1
+                        handles = entry.handles
+                        for t in _TIERS_OF[entry.mask]:
+                            if handles[t] is not None:
+                                policies[t].discard(entry)
                         append(entry)
-            elif entry.mask & bit:
+                    entry.mask |= bit
+                    entry.best = _BEST[entry.mask]
+                if admit is not None:
+                    admit(entry)
+                if recorded is not None:
+                    recorded.append(key)
+                if parent is not None:
+                    if parent_entry is None:
+                        parent_entry = uncached[parent] = Entry(parent, None, max(depth - 1, 0))
+                    children = parent_entry.children
+                    children[tier] += 1
+                    if children[tier] == 1 and parent_entry.handles[tier] is not None:
+                        policy.discard(parent_entry)
                 parent, parent_entry = key, entry
                 depth += 1
-                skipped += 1
-                continue
-            else:
-                if entry.ref_count == 0:
-                    entry.ref_count = 1
-                    handles = entry.handles
-                    for t in _TIERS_OF[entry.mask]:
-                        if handles[t] is not None:
-                            policies[t].discard(entry)
-                    append(entry)
-                entry.mask |= bit
-                entry.best = _BEST[entry.mask]
-            if admit is not None:
-                admit(entry)
-            if events is not None:
-                events.stored(key, tier)
-            if parent is not None:
-                if parent_entry is None:
-                    parent_entry = uncached[parent] = Entry(parent, None, max(depth - 1, 0))
-                children = parent_entry.children
-                children[tier] += 1
-                if children[tier] == 1 and parent_entry.handles[tier] is not None:
-                    policy.discard(parent_entry)
-            parent, parent_entry = key, entry
-            depth += 1
+        finally:  # told once, for the whole chain (also what a save that failed part way did)
+            if recorded:
+                events.stored_keys(recorded, tier)
         self.counts[tier] += depth - start - skipped
         return pinned
 

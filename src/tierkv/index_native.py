@@ -52,7 +52,7 @@ static Py_ssize_t Q_tier, Q_tag, Q_buckets, Q_keys, Q_live, Q_stored;
 static Py_ssize_t H_tier, H_index, H_queues, H_scored, H_scores, H_scored_clock, H_scored_version, H_benefit,
     H_hit_hist, H_end_hist, H_density, H_events, H_period, H_updates, H_ghosts, H_counts, H_ghost_hits;
 static PyObject *s_append, *s_popleft, *s_discard, *s_add, *s_touch, *s_pop, *s_pop_after, *s_sweep, *s_update,
-    *s_benefit_at, *s_popitem, *s_stored, *s_removed, *s_notify, *s_clock, *s_queue, *s_gf, *s_mg, *s_observe,
+    *s_benefit_at, *s_popitem, *s_stored_keys, *s_removed, *s_notify, *s_ev_listeners, *s_clock, *s_queue, *s_gf, *s_mg, *s_observe,
     *s_entries, *s_uncached, *s_policies, *s_admits, *s_events, *s_counts, *s_listeners, *s_observing, *s_decay,
     *s_priority, *s_taken, *s_rekey, *s_priority_by_key;
 static int ready = 0;
@@ -96,6 +96,40 @@ static inline int bump(PyObject *list, Py_ssize_t i) { /* list[i] += 1.0 */
   return 0;
 }
 static inline int call_drop(PyObject *r) { if (r == NULL) return -1; Py_DECREF(r); return 0; }
+/* A list to gather a save's stored keys in when ``events`` (the index's TierEvents, or None) has
+   listeners (an object without ``_listeners`` counts as listened to); NULL otherwise, or on error. */
+static PyObject *events_keys(PyObject *events, int *err) {
+  *err = 0;
+  if (events == Py_None) return NULL;
+  PyObject *listeners = PyObject_GetAttr(events, s_ev_listeners);
+  int on = 1;
+  if (listeners == NULL) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) { *err = 1; return NULL; }
+    PyErr_Clear();
+  } else {
+    on = PyObject_IsTrue(listeners);
+    Py_DECREF(listeners);
+    if (on < 0) { *err = 1; return NULL; }
+  }
+  if (!on) return NULL;
+  PyObject *keys = PyList_New(0);
+  if (keys == NULL) *err = 1;
+  return keys;
+}
+/* events.<name>(keys, tier_o) once for the gathered keys (none: no call); with an exception already
+   set (a save that failed part way records what it did), that exception is kept. */
+static int events_record(PyObject *events, PyObject *name, PyObject *keys, PyObject *tier_o) {
+  if (keys == NULL || PyList_GET_SIZE(keys) == 0) return 0;
+  PyObject *et, *ev, *tb;
+  PyErr_Fetch(&et, &ev, &tb);
+  int rc = call_drop(PyObject_CallMethodObjArgs(events, name, keys, tier_o, NULL));
+  if (et != NULL) {
+    if (rc < 0) PyErr_Clear();
+    PyErr_Restore(et, ev, tb);
+    return -1;
+  }
+  return rc;
+}
 static PyObject *attr(PyObject *o, PyObject *name) { return PyObject_GetAttr(o, name); }
 static inline PyObject *bucket_popleft(PyObject *bucket) { return PyObject_Vectorcall(deque_popleft, &bucket, 1, NULL); }
 static inline int bucket_append(PyObject *bucket, PyObject *e) {
@@ -1199,10 +1233,16 @@ static PyObject *impl_save_chain(PyObject *m, PyObject *const *args, Py_ssize_t 
   PyObject *clk = attr(index, s_clock), *admits = attr(index, s_admits), *events = attr(index, s_events);
   PyObject *counts = attr(index, s_counts), *seq = PySequence_Fast(args[1], "save_chain: keys must be a sequence");
   PyObject *pinned = PyList_New(0), *admit = NULL, *parent = NULL, *parent_entry = NULL, *entry = NULL;
+  PyObject *recorded = NULL;  /* the keys the tier gains, told to events once at the end */
   Pols ps;
   pols_start(&ps, policies);
   int ok = 0, admit_kind = 0;  /* 0 none, 1 hit_density's in C, 2 a Python call */
   if (!entries || !uncached || !policies || !clk || !admits || !events || !counts || !seq || !pinned) goto done;
+  {
+    int err;
+    recorded = events_keys(events, &err);
+    if (err) goto done;
+  }
   if (!PyDict_CheckExact(entries) || !PyDict_CheckExact(uncached) || check_policies(policies) < 0 ||
       !PyList_CheckExact(counts) || PyList_GET_SIZE(counts) != 3) {
     if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "save_chain: unexpected index state");
@@ -1284,7 +1324,7 @@ static PyObject *impl_save_chain(PyObject *m, PyObject *const *args, Py_ssize_t 
     }
     if (admit_kind == 1) { if (hd_admit(pol->policy, entry) < 0) goto done; }
     else if (admit_kind == 2 && call_drop(PyObject_CallOneArg(admit, entry)) < 0) goto done;
-    if (events != Py_None && call_drop(PyObject_CallMethodObjArgs(events, s_stored, key, tier_o, NULL)) < 0) goto done;
+    if (recorded != NULL && PyList_Append(recorded, key) < 0) goto done;
     if (parent != Py_None) {
       if (parent_entry == NULL) {
         parent_entry = new_entry(parent, Py_None, depth - 1 > 0 ? depth - 1 : 0, zero, 0, 0, untrack);
@@ -1304,6 +1344,8 @@ static PyObject *impl_save_chain(PyObject *m, PyObject *const *args, Py_ssize_t 
   if (setLI(counts, tier, LI(counts, tier) + (depth - start - skipped)) < 0) goto done;
   ok = !PyErr_Occurred();
 done:
+  if (recorded != NULL && events_record(events, s_stored_keys, recorded, tier_o) < 0) ok = 0;
+  Py_XDECREF(recorded);
   pols_end(&ps);
   Py_XDECREF(entry); Py_XDECREF(parent); Py_XDECREF(parent_entry); Py_XDECREF(admit);
   Py_XDECREF(entries); Py_XDECREF(uncached); Py_XDECREF(policies); Py_XDECREF(clk); Py_XDECREF(admits);
@@ -1591,7 +1633,7 @@ static PyObject *py_setup(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   OFF(CostT, "rekeyed", C_rekeyed);
   STR(s_append, "append"); STR(s_popleft, "popleft"); STR(s_discard, "discard"); STR(s_add, "add");
   STR(s_touch, "touch"); STR(s_pop, "pop"); STR(s_pop_after, "pop_after"); STR(s_sweep, "_sweep");
-  STR(s_update, "_update"); STR(s_benefit_at, "_benefit_at"); STR(s_popitem, "popitem"); STR(s_stored, "stored");
+  STR(s_update, "_update"); STR(s_benefit_at, "_benefit_at"); STR(s_popitem, "popitem"); STR(s_stored_keys, "stored_keys"); STR(s_ev_listeners, "_listeners");
   STR(s_removed, "removed"); STR(s_notify, "_notify_removed"); STR(s_clock, "clock"); STR(s_queue, "_queue");
   STR(s_gf, "GHOST_FACTOR"); STR(s_mg, "MAX_GHOSTS"); STR(s_observe, "observe"); STR(s_entries, "_entries");
   STR(s_uncached, "_uncached_parents"); STR(s_policies, "policies"); STR(s_admits, "_admits");
