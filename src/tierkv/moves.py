@@ -143,7 +143,9 @@ class Mover:
         flags: list[bool] = []
         try:
             for run in _runs(plan.ops):
-                with self._pacer.piece():  # background: spaced while foreground work runs
+                # background, spaced while foreground work runs; charged the CPU time it spent
+                # beyond the tier's own wall-charged slices (an fdatasync waits, it slows nobody)
+                with self._pacer.piece(cpu=True):
                     if isinstance(run[0], Drop):
                         self._drop(run)
                     else:

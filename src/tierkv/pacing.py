@@ -14,12 +14,14 @@ The rule: while a section of higher rank than a piece is open, pieces of
 that rank are spaced so that they fill at most ``share`` of wall time — a
 piece that took d seconds is followed by a pause of d × (1 − share) / share,
 cut short the moment no higher-rank section is open. Opening a section counts
-as the end of such a piece: lower ranks wait the pause their last piece would
-have earned, so a short section (a 2 ms put) is not overlapped by a piece
+as the end of such a piece: lower ranks wait the pause their longest piece of
+the last 100 ms would have earned, so a short section (a 2 ms put) is not overlapped by a piece
 that starts just after it opened. With nothing above it, a piece runs at once. d is wall time, device waits included: what slows the
 forward is the whole write-back stream (the tenant's copies that feed it, the
 device's DMA, the Python around it), not only the piece's own CPU time
 (charging CPU time alone left the engine 1.5x slower in bench/contention.py).
+A piece that mostly waits on a device (the mover's run around an L3 write:
+its fdatasync and LMDB commit) is charged its thread's CPU time instead.
 
 A load queued behind a background piece (L3 reads share the IO thread with
 writes) is counted as ``urgent`` and ends every pause at once, so pacing never
@@ -42,6 +44,7 @@ T = TypeVar("T")
 
 BACKGROUND, TRANSFER, COMPUTE = 0, 1, 2
 _RANKS = 3
+_RECENT_S = 0.1  # how long the longest piece of a rank sets the pause a section's opening imposes
 
 
 class Pacer:
@@ -56,8 +59,8 @@ class Pacer:
         self._open = [0] * _RANKS  # foreground sections open now, per rank
         self._urgent = 0  # loads queued behind background work, not started yet
         self._resume_at = [0.0] * _RANKS  # per piece rank: no start before this while a higher rank runs
-        self._last = [0.0] * _RANKS  # per piece rank: the duration charged for its last piece
-        self._nested = threading.local()  # per thread: seconds charged by pieces inside the open one
+        self._last = [(0.0, 0.0)] * _RANKS  # per piece rank: (longest recent charge, when it was made)
+        self._nested = threading.local()  # per thread: wall and CPU seconds of the pieces inside the open one
         self.paused_s = 0.0  # total time pieces waited (a counter for stats and benchmarks)
 
     @property
@@ -81,7 +84,7 @@ class Pacer:
             if self.enabled:
                 now = self._clock()
                 for low in range(rank):
-                    self._resume_at[low] = max(self._resume_at[low], now + self._pause(self._last[low]))
+                    self._resume_at[low] = max(self._resume_at[low], now + self._pause(self._last[low][0]))
         try:
             yield
         finally:
@@ -133,7 +136,10 @@ class Pacer:
         if not self.enabled:
             return
         with self._cond:
-            self._last[rank] = seconds
+            now = self._clock()
+            longest, when = self._last[rank]
+            if seconds >= longest or now - when > _RECENT_S:  # tiny checksums do not hide a long write
+                self._last[rank] = (seconds, now)
             if self._above(rank):
                 self._resume_at[rank] = max(self._resume_at[rank], self._clock() + self._pause(seconds))
 
@@ -141,23 +147,26 @@ class Pacer:
         return seconds * (1.0 - self.share) / self.share
 
     @contextmanager
-    def piece(self, rank: int = BACKGROUND) -> Iterator[None]:
-        """Run the enclosed piece of ``rank`` after ``gate(rank)``, then ``charge`` its duration. Pieces
-        nest (a mover's run around a tier's slices of one write): the inner ones gate and charge
-        their own time, the outer one charges only the rest."""
+    def piece(self, rank: int = BACKGROUND, cpu: bool = False) -> Iterator[None]:
+        """Run the enclosed piece of ``rank`` after ``gate(rank)``, then ``charge`` its duration: wall
+        time (a copy, a checksum, an O_DIRECT write that holds the memory bus until its DMA ends), or
+        with ``cpu`` the thread's CPU time (a step that mostly waits on a device: an fdatasync, an
+        LMDB commit, which slow nobody). Pieces nest (a mover's run around a tier's slices of one
+        write): the inner ones gate and charge their own time, the outer one only the rest."""
         if not self.enabled:
             yield
             return
         self.gate(rank)
-        outer = getattr(self._nested, "charged", None)
-        self._nested.charged = 0.0
-        start = self._clock()
+        outer = getattr(self._nested, "spent", None)
+        self._nested.spent = [0.0, 0.0]  # wall, CPU time of the pieces inside this one
+        wall, cpu_time = self._clock(), time.thread_time()
         try:
             yield
         finally:
-            used = self._clock() - start
-            self.charge(max(used - self._nested.charged, 0.0), rank)
-            self._nested.charged = None if outer is None else outer + used
+            wall, cpu_time = self._clock() - wall, time.thread_time() - cpu_time
+            inner = self._nested.spent
+            self.charge(max(cpu_time - inner[1] if cpu else wall - inner[0], 0.0), rank)
+            self._nested.spent = None if outer is None else [outer[0] + wall, outer[1] + cpu_time]
 
 
 UNPACED = Pacer(1.0)  # the no-op pacer for tiers and movers built without a store
