@@ -26,3 +26,14 @@ def load_tool(name: str):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
+
+
+def write_trace(path: Path, requests: list[list[int]]) -> Path:
+    """A Mooncake-format trace of ``requests`` (one list of hash ids each, one request per second)."""
+    import json
+
+    with open(path, "w") as fh:
+        for t, ids in enumerate(requests):
+            fh.write(json.dumps({"timestamp": t, "input_length": 512 * len(ids), "output_length": 1,
+                                 "hash_ids": ids}) + "\n")
+    return path

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 
-from _env import load_tool
+from _env import load_tool, write_trace
 
 evict_sim = load_tool("evict_sim")
 replay_tool = load_tool("replay")
 tracegen = load_tool("tracegen")
-
-
-def write_trace(path: Path, requests: list[list[int]]) -> Path:
-    with open(path, "w") as fh:
-        for t, ids in enumerate(requests):
-            fh.write(json.dumps({"timestamp": t, "input_length": 512 * len(ids), "output_length": 1,
-                                 "hash_ids": ids}) + "\n")
-    return path
 
 
 def run(requests: list[list[int]], spec: str, capacity: int) -> float:

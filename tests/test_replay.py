@@ -5,21 +5,12 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 from _env import SYNTHETIC_TRACE as SYNTHETIC  # ../shared beside the checkout
-from _env import ROOT, load_tool
+from _env import ROOT, load_tool, write_trace
 
 replay_tool = load_tool("replay")
-
-
-def write_trace(path: Path, requests: list[list[int]]) -> Path:
-    with open(path, "w") as fh:
-        for t, ids in enumerate(requests):
-            fh.write(json.dumps({"timestamp": t, "input_length": 512 * len(ids), "output_length": 1,
-                                 "hash_ids": ids}) + "\n")
-    return path
 
 
 TINY = [[1, 2, 3], [1, 2, 4], [5], [1, 2, 3]]

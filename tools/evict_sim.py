@@ -180,6 +180,15 @@ class Counted(Policy):
         super().__init__()
         self.count: Counter[int] = Counter()
 
+    def seen_prefix(self, ids: list[int]) -> int:
+        """How many leading blocks of ``ids`` were seen before (by any earlier request)."""
+        known = 0
+        for b in ids:
+            if not self.count[b]:
+                break
+            known += 1
+        return known
+
     def request(self, ids: list[int], matched: int) -> None:
         for b in ids:
             self.count[b] += 1
@@ -294,11 +303,7 @@ class Sticky(Counted):
         self.kept: set[int] = set()
 
     def request(self, ids: list[int], matched: int) -> None:
-        known = 0
-        for b in ids:
-            if not self.count[b]:
-                break
-            known += 1
+        known = self.seen_prefix(ids)
         if self.select == "block":  # each uncached block by its own hash
             self.kept.update(b for b in ids[matched:] if mix(b) < self.theta)
         elif known < len(ids) and mix(ids[0] if self.select == "root" else ids[known]) < self.theta:
@@ -335,11 +340,7 @@ class Learned(Counted):
         self.reused: Counter[tuple] = Counter()
 
     def request(self, ids: list[int], matched: int) -> None:
-        known = 0
-        for b in ids:
-            if not self.count[b]:
-                break
-            known += 1
+        known = self.seen_prefix(ids)
         tail = len(ids) - known
         for i, b in enumerate(ids):
             k = self.count[b]
@@ -370,11 +371,7 @@ class BigTail(Counted):
         self.low: set[int] = set()
 
     def request(self, ids: list[int], matched: int) -> None:
-        known = 0
-        for b in ids:
-            if not self.count[b]:
-                break
-            known += 1
+        known = self.seen_prefix(ids)
         if len(ids) - known > self.limit:
             self.low.update(ids[known:])
         super().request(ids, matched)
