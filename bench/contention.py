@@ -7,7 +7,7 @@ busy_ttft_ms / idle_ttft_ms
     SmolLM2-135M-Instruct, fp32, block size 16, one thread), while another thread shares the engine's store and pushes blocks into a
     full L2 (so every put demotes an L2 victim to L3) and persists chains to L3, flat out. The
     engine's step is the store's foreground work, so the store paces that background IO to
-    ``io.background_share`` (default 0.2) of wall time while a step runs (``tierkv.pacing``).
+    ``io.background_share`` (default 0.15) of wall time while a step runs (``tierkv.pacing``).
     Median of all timed requests. Target: busy <= 1.15 x idle.
 unpaced_busy_ttft_ms
     The same with pacing off (``background_share = 1.0``, as before pacing existed), in the same

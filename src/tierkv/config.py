@@ -233,7 +233,7 @@ class IOConfig:
     wall time; with no foreground work it runs flat out. 1.0 turns pacing off.
     """
 
-    background_share: float = 0.2
+    background_share: float = 0.15
 
     def __post_init__(self) -> None:
         share = _check_float(self.background_share, "io.background_share", 0.0, strict=True)
