@@ -133,38 +133,27 @@ class TierEvents:
     def stored_keys(self, keys: list[bytes], tier: int) -> None:
         """``stored`` of every key of ``keys``, in order (one call for a save's whole chain). Caller
         holds ``lock``."""
-        if self._listeners and keys:
-            self._recording = True
-            try:
-                new, gone = self._batch
-                new, gone = new[tier], gone[tier]
-                if not gone or gone.keys().isdisjoint(keys):  # the common case: nothing nets out
-                    new.update(dict.fromkeys(keys, True))
-                else:
-                    pop = gone.pop
-                    for key in keys:
-                        if pop(key, None) is None:
-                            new[key] = True
-            finally:
-                self._recording = False
-            if not self._armed:
-                self._armed = True
-                self._alarm.arm(self.window_s)
+        self._record_keys(keys, tier, 0)
 
     def removed_keys(self, keys: list[bytes], tier: int) -> None:
         """``removed`` of every key of ``keys``, in order. Caller holds ``lock``."""
+        self._record_keys(keys, tier, 1)
+
+    def _record_keys(self, keys: list[bytes], tier: int, side: int) -> None:
+        """Record ``keys`` on ``side`` of the batch (0: stored, 1: removed), each cancelling a pending
+        record of the other side, as ``stored`` / ``removed`` do one key at a time."""
         if self._listeners and keys:
             self._recording = True
             try:
-                new, gone = self._batch
-                new, gone = new[tier], gone[tier]
-                if not new or new.keys().isdisjoint(keys):
-                    gone.update(dict.fromkeys(keys, True))
+                batch = self._batch
+                add, cancel = batch[side][tier], batch[1 - side][tier]
+                if not cancel or cancel.keys().isdisjoint(keys):  # the common case: nothing nets out
+                    add.update(dict.fromkeys(keys, True))
                 else:
-                    pop = new.pop
+                    pop = cancel.pop
                     for key in keys:
                         if pop(key, None) is None:
-                            gone[key] = True
+                            add[key] = True
             finally:
                 self._recording = False
             if not self._armed:
