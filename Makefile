@@ -34,7 +34,10 @@ test: setup system-deps
 # Never a plain `pip install vllm`: it pulls several GB of CUDA packages. gguf reads the SmolLM2 model
 # file (`tierkv model pull`). The Scheduler-level tests and the end-to-end ones (real vllm.LLM and
 # `vllm serve` in subprocesses) share this venv.
-SHARED      ?= ../shared
+# The shared folder beside the checkout; for a local clone without one (the README's `git clone . $d/p`),
+# the one beside the repository it was cloned from.
+SHARED      ?= $(shell if [ -d ../shared ]; then echo ../shared; else o=$$(git config --get remote.origin.url 2>/dev/null); \
+                 if [ -n "$$o" ] && [ -d "$$o/../shared" ]; then echo "$$o/../shared"; else echo ../shared; fi; fi)
 VLLM_VENV   ?= .venv-vllm
 VLLM_PY     := $(VLLM_VENV)/bin/python
 VLLM_STAMP  := $(VLLM_VENV)/.installed
