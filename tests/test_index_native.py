@@ -86,6 +86,8 @@ def _step(index: PrefixIndex, rng: random.Random, out: list) -> None:
         out.append([e.key for e in index.evict(tier, n)])
         index.unpin(pinned + new)
         out.append(len(new))
+        if rng.random() < 0.7:  # the request finishes (hit_density's output bands; Python, between C calls)
+            index.finished(held + new, rng.choice([0, 5, 40, 600]))
     elif op < 0.7:  # one-block calls in Python, interleaved with the C ones
         tier = rng.choice([L1, L2, L3])
         for i, key in enumerate(keys):
@@ -172,9 +174,9 @@ def test_replay_results_are_the_same_with_and_without_c(tmp_path, name):
     tracegen = load_tool("tracegen")
     path = tmp_path / "mixed.jsonl"
     tracegen.write(tracegen.generate("mixed", 3, 900), path)
-    requests = replay.load_trace(path)
+    requests, outputs = replay.load_trace(path), replay.load_outputs(path)
     for caps in ([150], [400], [60, 200, 600]):
-        a, b = (replay.replay(requests, name, caps, native=native) for native in (False, None))
+        a, b = (replay.replay(requests, name, caps, native=native, outputs=outputs) for native in (False, None))
         for r in (a, b):
             r.seconds = r.cpu_seconds = 0.0
         assert a == b, caps

@@ -12,7 +12,7 @@ from tierkv.config import CostConfig, PolicyConfig
 from tierkv.cost import CostModel
 from tierkv.index import PrefixIndex, Tier
 from tierkv.policy import DEFAULT_POLICY, POLICIES, CostAwarePolicy, HitDensityPolicy, LFUPolicy, LRUPolicy, make_policy
-from tierkv.policy.hit_density import age_bin, block_class
+from tierkv.policy.hit_density import BANDS, age_bin, block_class, output_band
 
 L1, L2 = Tier.L1, Tier.L2
 
@@ -275,13 +275,85 @@ def test_a_ghost_comes_back_with_its_hits():
     chain(index, "a")
     use(index, "a")
     use(index, "a")
-    assert block_class(index.get(k("a"))) == 3       # hit twice
+    index.finished([index.get(k("a"))], 500)         # a request that used it generated 500 tokens
+    assert divmod(block_class(index.get(k("a"))), BANDS) == (3, 3)  # hit twice; output >= 128
     drain(index)
     assert index.get(k("a")) is None and k("a") in index.policies[L1].ghosts
     chain(index, "a")                                     # a new entry for the same block
     entry = index.get(k("a"))
-    assert entry.hits == 0 and block_class(entry) == 3  # its two hits, and the return
+    assert entry.hits == 0 and divmod(block_class(entry), BANDS) == (3, 3)  # its hits, the return, its band
     assert k("a") not in index.policies[L1].ghosts and index.policies[L1].ghost_hits == 1
+
+
+def test_output_bands_are_sixteenfold():
+    assert [output_band(n) for n in (0, 1, 7, 8, 127, 128, 2047, 2048, 10**6)] == [1, 1, 1, 2, 2, 3, 3, 3, 3]
+    with pytest.raises(ValueError, match="output_tokens"):
+        output_band(-1)
+
+
+@pytest.mark.parametrize("native", [False, None])
+def test_finished_changes_a_blocks_class_not_its_age(native):
+    index = PrefixIndex([make_policy("hit_density", t) for t in (L1, L2, Tier.L3)], native=native)
+    chain(index, "ab")
+    use(index, "ab")
+    a, b = index.get(k("a")), index.get(k("b"))
+    last, hits, clock = b.last_access, b.hits, index.clock
+    assert block_class(b) % BANDS == 0                   # no request has finished: band unknown
+    index.finished([a, b], 3)
+    assert block_class(b) == 2 * BANDS + 1 and block_class(a) == 2 * BANDS + 1
+    assert (b.last_access, b.hits, index.clock) == (last, hits, clock)
+    policy = index.policies[L1]
+    assert len(policy._queues[2 * BANDS + 1]) == 1 and len(policy) == 1  # the leaf, listed under its new class
+    index.finished([b], 4000)
+    assert block_class(b) == 2 * BANDS + 3 and len(policy._queues[2 * BANDS + 3]) == 1
+    assert drain(index) == ["b", "a"]
+    lru = index_with("lru")
+    chain(lru, "a")
+    lru.finished([lru.get(k("a"))], 10)                   # policies that do not learn from it ignore it
+    assert drain(lru) == ["a"]
+
+
+def test_hit_density_learns_which_output_bands_come_back():
+    """Requests with short outputs come back once, 600 lookups later; long ones never do.
+
+    A 400-block tier cannot keep everything for 600 lookups (LRU keeps nothing
+    that long); told each request's output, hit_density learns that only the
+    short ones return and keeps them (half the arrivals: 300 blocks at a time).
+    """
+    rng = random.Random(3)
+    short = [rng.random() < 0.5 for _ in range(8000)]
+    stream, outs = [], []
+    for i in range(8000):
+        stream.append(k(f"r{i}"))
+        outs.append(4 if short[i] else 900)
+        j = i - 600
+        if j >= 0 and short[j]:
+            stream.append(k(f"r{j}"))
+            outs.append(4)
+    returns = sum(short[:7400])
+
+    def run(policy: str, hint: bool) -> int:
+        index = index_with(policy)
+        hits = 0
+        for key, out in zip(stream, outs):
+            entry = index.get(key)
+            if entry is not None:
+                hits += 1
+                index.pin([entry])
+                index.touch([entry])
+            else:
+                index.touch([])
+                entry = index.add(key, None, 0, L1, pin=True)
+            while index.counts[L1] > 400:
+                index.drop(index.victim(L1).key, L1)
+            index.unpin([entry])
+            if hint:
+                index.finished([entry], out)
+        return hits
+
+    told, untold, lru = run("hit_density", True), run("hit_density", False), run("lru", True)
+    assert lru == 0
+    assert told > 0.8 * returns and told > untold + 0.3 * returns, (told, untold, returns)
 
 
 def test_ghosts_are_bounded_by_the_tier_size():

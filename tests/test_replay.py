@@ -10,6 +10,8 @@ import pytest
 from _env import SYNTHETIC_TRACE as SYNTHETIC  # ../shared beside the checkout
 from _env import ROOT, load_tool, write_trace
 
+from tierkv.policy.hit_density import BANDS, block_class
+
 replay_tool = load_tool("replay")
 
 
@@ -138,6 +140,30 @@ def test_command_line_writes_json_table_and_plot(tmp_path):
     assert "cost_aware" in proc.stdout and "accesses/s" in proc.stdout
 
 
+def test_output_hint_reaches_the_policy_and_can_be_left_out(tmp_path):
+    # Each request's output_length is told to the index as it finishes: hit_density's classes
+    # carry its band; --no-output-hint replays a store nobody tells.
+    trace = tmp_path / "t.jsonl"
+    with open(trace, "w") as fh:
+        for i, (ids, out) in enumerate([([1, 2], 3), ([7], 900), ([1, 2, 4], 40)]):
+            fh.write(json.dumps({"timestamp": i, "input_length": 1024, "output_length": out, "hash_ids": ids}) + "\n")
+    assert replay_tool.load_outputs(trace) == [3, 900, 40]
+    requests = replay_tool.load_trace(trace)
+    told = replay_tool.Replayer("hit_density", [10], replay_tool.CostModel.units(0.0), 2000.0)
+    told.run(requests, False, replay_tool.load_outputs(trace))
+    bands = {e.key: block_class(e) % BANDS for e in told.index.entries()}
+    assert sorted(bands.values()) == [2, 2, 2, 3]   # [7]: 900 tokens; 1, 2 and 4 last used by the 40-token one
+    untold = replay_tool.Replayer("hit_density", [10], replay_tool.CostModel.units(0.0), 2000.0)
+    untold.run(requests, False)
+    assert {block_class(e) % BANDS for e in untold.index.entries()} == {0}
+    out = tmp_path / "r.json"
+    for flag, want in (([], True), (["--no-output-hint"], False)):
+        subprocess.run([sys.executable, str(ROOT / "tools" / "replay.py"), str(trace), "--capacity", "2",
+                        "--policy", "hit_density", "--json", str(out), *flag],
+                       capture_output=True, text=True, timeout=120, check=True)
+        assert json.loads(out.read_text())["output_hint"] is want
+
+
 def test_command_line_rejects_bad_arguments(tmp_path):
     trace = write_trace(tmp_path / "t.jsonl", TINY)
     for args in (["--capacity", "0"], ["--policy", "mru"], ["--tiers", "l9=3"]):
@@ -151,8 +177,8 @@ def test_synthetic_trace_default_policy_keeps_lru_hits_and_takes_headroom():
     # The policy a store uses when its config names none, against LRU and the oracle.
     from tierkv.config import PolicyConfig
 
-    requests = replay_tool.load_trace(SYNTHETIC)
-    results = [replay_tool.replay(requests, name, [cap])
+    requests, outputs = replay_tool.load_trace(SYNTHETIC), replay_tool.load_outputs(SYNTHETIC)
+    results = [replay_tool.replay(requests, name, [cap], outputs=outputs)
                for name in ("lru", PolicyConfig().name, "belady") for cap in (1000, 3000)]
     replay_tool.add_headroom(results)
     lru, default, oracle = results[:2], results[2:4], results[4:]
@@ -161,5 +187,5 @@ def test_synthetic_trace_default_policy_keeps_lru_hits_and_takes_headroom():
     assert [round(r.hit_rate, 3) for r in oracle] == [0.269, 0.444]
     for base, new in zip(lru, default):
         assert new.hit_rate >= base.hit_rate - 0.003
-        assert new.headroom > 0.02, (new.capacity, new.headroom)
+        assert new.headroom > 0.05, (new.capacity, new.headroom)
         assert new.saved_flops_frac["llama-3.1-8b"] >= base.saved_flops_frac["llama-3.1-8b"]

@@ -12,7 +12,11 @@ no bytes move. Per request:
    and pinned while the request runs;
 3. each tier is trimmed back to capacity; a victim demotes one tier down
    unless that tier already holds it (the store's write-back rule); then the
-   request's pins are released.
+   request's pins are released;
+4. the request finishes: the index hears how many tokens it generated
+   (``PrefixIndex.finished(entries, output_length)``, what the store hears from
+   the engine or the vLLM connector when a request ends; ``hit_density`` learns
+   from it, the other policies ignore it; ``--no-output-hint`` leaves it out).
 
 Metrics: ``hit_rate`` = hit blocks / all blocks; ``saved_flops_frac`` = {reference
 model: Σ prefill FLOPs of hit blocks / Σ prefill FLOPs of all blocks}, priced by
@@ -96,6 +100,12 @@ class ReplayResult:
     est_saved_prefill_s: float | None = None
     est_total_prefill_s: float | None = None
     evictions: dict[str, int] = field(default_factory=dict)
+
+
+def load_outputs(path: str | Path) -> list[int]:
+    """Each request's ``output_length`` (generated tokens), in file order; 0 where a line has none."""
+    with open(path) as fh:
+        return [max(0, int(json.loads(line).get("output_length") or 0)) for line in fh if line.strip()]
 
 
 def load_trace(path: str | Path) -> list[list[bytes]]:
@@ -211,14 +221,19 @@ class Replayer:
         while counts[tier] >= cap and self._evict(tier):
             pass
 
-    def run(self, requests: list[list[bytes]], multi: bool) -> tuple[list[int], list[int], float]:
+    def run(self, requests: list[list[bytes]], multi: bool,
+            outputs: Sequence[int] | None = None) -> tuple[list[int], list[int], float]:
         """Replay; returns (hit blocks per tier, hit prefix length per request, cost model's saved µs).
 
-        Only this loop is timed. The saved µs are added up in multi-tier mode only.
+        ``outputs``: each request's generated tokens, told to the index when it
+        finishes (None: never told). Only this loop is timed. The saved µs are
+        added up in multi-tier mode only.
         """
         if self.future is not None:
             return self._run_oracle(requests, multi)
         index, cost = self.index, self.cost
+        finished = index.finished if outputs is not None and index._finishers else None
+        outs = iter(outputs) if finished is not None else repeat(0)
         match, use, save_chain, unpin = index.match_entries, index.use, index.save_chain, index.unpin
         top = LOCAL_TIERS[0]
         cap_top = self.capacities[top]
@@ -255,6 +270,9 @@ class Replayer:
             unpin(entries)
             while counts[top] > cap_top and self._evict(top):  # a request larger than the tier
                 pass
+            out = next(outs)
+            if finished is not None:
+                finished(entries, out)
         self.evictions[top] += evicted
         return hits, hit_lengths, saved_us
 
@@ -315,11 +333,12 @@ class Replayer:
 def replay(requests: list[list[bytes]], policy: str, capacities: Sequence[int],
            depth_weight: float | None = None,
            half_life: float = 2000.0, cost: CostModel | None = None, native: bool | None = None,
-           **options) -> ReplayResult:
+           outputs: Sequence[int] | None = None, **options) -> ReplayResult:
     """Replay ``requests`` with ``policy`` over tiers of ``capacities`` blocks (L1, L2, L3).
 
     ``options`` go to the policy (e.g. ``reuse_exponent`` for cost_aware; ``oracle_window``
-    for the reuse oracle). ``native``
+    for the reuse oracle). ``outputs``: each request's generated tokens, told to the index
+    as the request finishes (None: never). ``native``
     goes to the index: False runs its pure-Python loops (the same decisions, slower).
     """
     if depth_weight is None:
@@ -335,7 +354,7 @@ def replay(requests: list[list[bytes]], policy: str, capacities: Sequence[int],
     # their heap items): collect it here, not inside this replay's timed loop.
     gc.collect()
     start, cpu_start = time.perf_counter(), time.process_time()
-    hits, hit_lengths, saved_us = sim.run(requests, multi)
+    hits, hit_lengths, saved_us = sim.run(requests, multi, outputs)
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu_start
     names = TIER_NAMES[: len(capacities)]
     lengths = [len(r) for r in requests]
@@ -445,6 +464,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help=f"{REUSE_ORACLE}: count a block as used again only within this many requests (default: ever)")
     p.add_argument("--recompute-us", type=float, default=100.0, help="multi-tier: prefill µs/token at depth 0")
     p.add_argument("--gbps", default="5,1", help="multi-tier: L2,L3 load bandwidth in GB/s (reference layout)")
+    p.add_argument("--no-output-hint", dest="output_hint", action="store_false",
+                   help="do not tell the index each request's output length as it finishes (the store's "
+                        "behaviour when no engine or connector reports it)")
     p.add_argument("--no-native", dest="native", action="store_false",
                    help="run the index's pure-Python loops instead of its C ones (same results; for A/B timing)")
     p.add_argument("--json", dest="json_out", default=None, help="write results here")
@@ -532,6 +554,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.freeze()
     options = {} if args.reuse_exponent is None else {"reuse_exponent": args.reuse_exponent}
     options["native"] = None if args.native else False
+    options["outputs"] = load_outputs(args.trace) if args.output_hint else None
     if args.oracle_window is not None:
         options["oracle_window"] = args.oracle_window
     results: list[ReplayResult] = []
@@ -553,7 +576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _print_table(results, rate, cpu_rate, by_policy)
     if args.json_out:
         out = {"trace": str(args.trace), "depth_weight": args.depth_weight, "half_life": args.half_life,
-               "native": index_native_loaded() if args.native else False,
+               "native": index_native_loaded() if args.native else False, "output_hint": args.output_hint,
                "accesses_per_s": rate, "accesses_per_cpu_s": cpu_rate,
                "accesses_per_cpu_s_by_policy": by_policy,
                "results": [asdict(r) for r in results]}

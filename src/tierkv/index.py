@@ -91,7 +91,9 @@ class Ranking(Protocol):
     # block a lookup hit (listed or not), before their use times are updated; and
     # ``admit(entry)``, called by ``PrefixIndex.add`` each time the policy's tier gains a block;
     # and ``pop_after(entry)``, ``add(entry)`` then ``pop()`` in one call (``evict`` hands it
-    # the parent each victim exposes, which is often the next victim itself).
+    # the parent each victim exposes, which is often the next victim itself); and
+    # ``finished(entries, output_tokens)``, called by ``PrefixIndex.finished`` when a
+    # request that used those blocks has finished generating.
     def __len__(self) -> int: ...
 
 
@@ -126,6 +128,7 @@ class PrefixIndex:
         self._observing = tuple(p for p in self.policies if p is not None and hasattr(p, "observe"))
         self._observers = tuple(p.observe for p in self._observing)
         self._admits = [getattr(p, "admit", None) for p in self.policies]
+        self._finishers = tuple(p for p in self.policies if p is not None and hasattr(p, "finished"))
         self._decay = 0.5 ** (1.0 / half_life)
         # Copy-on-write under its own lock: drop() reads the tuple without taking any.
         self._removal_listeners: tuple[Callable[[bytes], None], ...] = ()
@@ -481,6 +484,16 @@ class PrefixIndex:
                             policies[tier].discard(entry)
                         else:
                             policies[tier].touch(entry)
+
+    def finished(self, entries: list[Entry], output_tokens: int) -> None:
+        """A request that used ``entries`` (its prompt's blocks) finished, having generated ``output_tokens``.
+
+        A hint, not a use: no clock, age or hit count changes. Each tier's
+        policy that learns from it (``hit_density``: the output's band is part
+        of a block's class) sees it; the others ignore it. Not thread-safe.
+        """
+        for policy in self._finishers:
+            policy.finished(entries, output_tokens)
 
     def victim(self, tier: int) -> Entry | None:
         """The evictable block ``tier``'s policy would evict next, unlisted; None if none."""

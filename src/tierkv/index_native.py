@@ -34,7 +34,8 @@ SOURCE = r"""
 #pragma GCC optimize ("fp-contract=off")
 
 #define SLOT(o, off) (*(PyObject **)((char *)(o) + (off)))
-enum { TAG_BITS = 2, BINS = 64, LEVELS = 2, CLASSES = 4, TIP = 1, SEEN = 2, EXTRA_SHIFT = 2, EXTRA_MASK = 3 };
+enum { TAG_BITS = 4, BINS = 64, LEVELS = 2, CLASSES = 16, TIP = 1, SEEN = 2, EXTRA_SHIFT = 2, EXTRA_MASK = 3,
+       BANDS = 4, BAND_SHIFT = 4, BAND_MASK = 3 };
 
 static PyTypeObject *EntryT, *QueueT, *LruT, *HdT, *HeapT, *CostT;
 static PyObject *heapify_f, *heap_taken_f;
@@ -367,7 +368,8 @@ static inline PyObject *hd_queue(PyObject *self, long c) { return PyList_GET_ITE
 
 static inline int block_class(PyObject *e) {
   long tag = L(e, E_tag), hits = L(e, E_hits) + ((tag >> EXTRA_SHIFT) & EXTRA_MASK);
-  return hits ? 1 + (hits < LEVELS ? (int)hits : LEVELS) : (int)(tag & TIP);
+  int hc = hits ? 1 + (hits < LEVELS ? (int)hits : LEVELS) : (int)(tag & TIP);
+  return hc * BANDS + (int)((tag >> BAND_SHIFT) & BAND_MASK);
 }
 
 static int hd_listing_class(PyObject *self, PyObject *e) {
@@ -582,8 +584,9 @@ static int hd_admit(PyObject *self, PyObject *e) {
   if (bump(PyList_GET_ITEM(SLOT(self, H_hit_hist), c), age_bin(now - last)) < 0) return -1;
   if (setL(self, H_ghost_hits, L(self, H_ghost_hits) + 1) < 0) return -1;
   if (L(e, E_hits) == 0) {
-    long extra = (c < 2 ? 0 : c - 1) + 1;
-    long tag = (L(e, E_tag) & (TIP | SEEN)) | ((extra < LEVELS ? extra : LEVELS) << EXTRA_SHIFT);
+    long hc = c / BANDS, band = c % BANDS;
+    long extra = (hc < 2 ? 0 : hc - 1) + 1;
+    long tag = (L(e, E_tag) & (TIP | SEEN)) | ((extra < LEVELS ? extra : LEVELS) << EXTRA_SHIFT) | band << BAND_SHIFT;
     if (setL(e, E_tag, tag) < 0) return -1;
   }
   return setL(self, H_events, L(self, H_events) + 1);
@@ -925,9 +928,7 @@ static PyObject *py_hd_alive(PyObject *m, PyObject *const *a, Py_ssize_t nargs) 
       if (i++ % stride) continue;
       if (!is_entry(e)) { Py_DECREF(entries); return NULL; }
       if (!(L(e, E_mask) & bit)) continue;
-      long tag = L(e, E_tag), hits = L(e, E_hits) + ((tag >> EXTRA_SHIFT) & EXTRA_MASK);
-      int c = hits ? 1 + (hits < LEVELS ? (int)hits : LEVELS) : (int)(tag & TIP);
-      alive[c][age_bin(now - L(e, E_last))] += (double)stride;
+      alive[block_class(e)][age_bin(now - L(e, E_last))] += (double)stride;
     }
     Py_DECREF(entries);
     if (PyErr_Occurred()) return NULL;
@@ -1598,9 +1599,10 @@ static PyObject *py_setup(PyObject *m, PyObject *const *a, Py_ssize_t n) {
     Py_INCREF(heap_taken_f);
   }
   for (int i = 0; i < 4; i++) if (!PyType_Check(a[i])) { PyErr_SetString(PyExc_TypeError, "setup: types"); return NULL; }
-  long want[] = {TAG_BITS, BINS, LEVELS, CLASSES, TIP, SEEN, EXTRA_SHIFT, EXTRA_MASK};
-  if (!PyTuple_Check(a[7]) || PyTuple_GET_SIZE(a[7]) != 8) { PyErr_SetString(PyExc_TypeError, "setup: constants"); return NULL; }
-  for (int i = 0; i < 8; i++) if (PyLong_AsLong(PyTuple_GET_ITEM(a[7], i)) != want[i]) {
+  long want[] = {TAG_BITS, BINS, LEVELS, CLASSES, TIP, SEEN, EXTRA_SHIFT, EXTRA_MASK, BANDS, BAND_SHIFT, BAND_MASK};
+  enum { N_WANT = sizeof(want) / sizeof(want[0]) };
+  if (!PyTuple_Check(a[7]) || PyTuple_GET_SIZE(a[7]) != N_WANT) { PyErr_SetString(PyExc_TypeError, "setup: constants"); return NULL; }
+  for (int i = 0; i < N_WANT; i++) if (PyLong_AsLong(PyTuple_GET_ITEM(a[7], i)) != want[i]) {
     PyErr_Format(PyExc_ValueError, "index_native: constant %d is %R, the C code assumes %ld", i, PyTuple_GET_ITEM(a[7], i), want[i]);
     return NULL;
   }

@@ -42,7 +42,8 @@ def _setup_index_native(mod) -> None:
     from tierkv.policy.age_queue import TAG_BITS, AgeQueue
 
     constants = (TAG_BITS, hit_density.BINS, hit_density._LEVELS, hit_density.CLASSES, hit_density._TIP,
-                 hit_density._SEEN, hit_density._EXTRA_SHIFT, hit_density._EXTRA_MASK)
+                 hit_density._SEEN, hit_density._EXTRA_SHIFT, hit_density._EXTRA_MASK, hit_density.BANDS,
+                 hit_density._BAND_SHIFT, hit_density._BAND_MASK)
     mod.setup(Entry, AgeQueue, LRUPolicy, HitDensityPolicy, vars(hit_density), deque, tuple(_BEST), constants,
               (HeapPolicy, CostAwarePolicy, heapq, cost_aware._THETA_WEIGHT, cost_aware._REKEY_DRIFT))
 

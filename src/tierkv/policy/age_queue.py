@@ -27,7 +27,7 @@ from collections import deque
 
 from tierkv.index import Entry
 
-TAG_BITS = 2  # up to four queues per tier can share the handle slot (hit_density's classes)
+TAG_BITS = 4  # up to 16 queues per tier can share the handle slot (hit_density's classes)
 
 
 class AgeQueue:

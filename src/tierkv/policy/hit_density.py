@@ -5,10 +5,18 @@ how reuse depends on a block's recency (its *age*: lookups since its last
 use) and frequency (how many lookups hit it), in the spirit of LHD (Beckmann
 et al., NSDI '18), with ARC-style ghosts to see past its own evictions:
 
-- Blocks fall into four *classes*: never hit, split by whether the block was
-  the tip of the save that created it (often a partial or private tail that
-  nothing reuses — or, in chat, the block the next turn continues: the policy
-  finds out which); hit once; hit twice or more.
+- Blocks fall into *classes* by two things the store knows. Their hits:
+  never hit, split by whether the block was the tip of the save that created
+  it (often a partial or private tail that nothing reuses — or, in chat, the
+  block the next turn continues: the policy finds out which); hit once; hit
+  twice or more. And, once a request that used the block has finished and
+  said how many tokens it generated (``finished``, from the engine or the
+  connector), the band of that output: under 8 tokens, 8–127, 128 or more
+  (bands of 16×; before any such word the band is "unknown", and a store that
+  never says it keeps the four hit classes alone). In production chat
+  traffic a short answer (a tool call, a one-word reply) is followed by the
+  next turn far more often than a long one; the policy learns, per band,
+  whether that holds where it runs.
 - Per class it keeps two histograms over age (half-octave bins): hits at each
   age, and lives that ended unreused at each age. Every hit the index sees
   counts, listed or not (``observe``). A victim's life has not ended: its key
@@ -47,12 +55,16 @@ from tierkv.policy.base import EvictionPolicy
 
 BINS = 64                 # half-octave age bins: ages up to 2**32 lookups
 _LEVELS = 2               # hit-count levels past 0: once, twice or more
-CLASSES = 2 + _LEVELS     # never hit (0: not a tip, 1: a tip), then hit 1, 2+ times
-# Entry.tag bits this policy owns: tip, seen (classified), and for a block back
-# from a ghost the hits the index forgot (bits 2-3).
+HIT_CLASSES = 2 + _LEVELS  # never hit (0: not a tip, 1: a tip), then hit 1, 2+ times
+BANDS = 4                 # output bands: unknown, then < 8, 8-127, >= 128 generated tokens
+CLASSES = HIT_CLASSES * BANDS  # class = hit class * BANDS + band
+# Entry.tag bits this policy owns: tip, seen (classified), for a block back
+# from a ghost the hits the index forgot (bits 2-3), and the output band of
+# the last finished request that used it (bits 4-5).
 _TIP, _SEEN = 1, 2
 _CLASS_MASK = (1 << TAG_BITS) - 1  # a listed block's handle carries its class (its queue's tag)
 _EXTRA_SHIFT, _EXTRA_MASK = 2, 3
+_BAND_SHIFT, _BAND_MASK = 4, 3
 # Recompute the densities after as many observed events (hits, ghost returns
 # and ends, evictions) as there are live blocks and ghosts, at least this many;
 # each time multiply the histograms by _DECAY (a memory of ~20 such periods).
@@ -60,8 +72,10 @@ _EXTRA_SHIFT, _EXTRA_MASK = 2, 3
 _MIN_PERIOD = 512
 _DECAY = 0.95
 # Ghosts kept per block of the tier (keys of victims, with class and last use):
-# they let the densities see ages past the tier's own eviction age.
-GHOST_FACTOR = 4
+# they let the densities see ages past the tier's own eviction age. Eight per
+# block: the classes are split four ways by output band, and each needs the
+# returns its ghosts see (4 per block before the bands).
+GHOST_FACTOR = 8
 MAX_GHOSTS = 1 << 20  # ~150 MB of keys at most, whatever the tier's size
 # Lives read per update at most (of each kind: cached blocks, ghosts), beyond that a strided sample.
 _ALIVE_SAMPLE = 1 << 17
@@ -86,15 +100,25 @@ def _bin_widths() -> list[int]:
 _WIDTHS = _bin_widths()
 
 
-def block_class(entry: Entry) -> int:
-    """The class of ``entry``: 0 never hit, 1 never hit and a tip, 2 hit once, 3 hit more.
+def output_band(output_tokens: int) -> int:
+    """The band of a finished request's output: 1 for < 8 tokens, 2 for 8-127, 3 for 128 or more."""
+    if output_tokens < 0:
+        raise ValueError(f"output_tokens: expected >= 0, got {output_tokens}")
+    b = output_tokens.bit_length() >> 2
+    return 1 + (b if b < BANDS - 2 else BANDS - 2)
 
-    Hits include those a block had before it came back from a ghost.
+
+def block_class(entry: Entry) -> int:
+    """The class of ``entry``: hit class × BANDS + output band.
+
+    Hit class: 0 never hit, 1 never hit and a tip, 2 hit once, 3 hit more
+    (hits include those a block had before it came back from a ghost); band:
+    0 unknown, else ``output_band`` of the last finished request that used it.
     """
-    hits = entry.hits + ((entry.tag >> _EXTRA_SHIFT) & _EXTRA_MASK)
-    if not hits:
-        return entry.tag & _TIP
-    return 1 + (hits if hits < _LEVELS else _LEVELS)
+    tag = entry.tag
+    hits = entry.hits + ((tag >> _EXTRA_SHIFT) & _EXTRA_MASK)
+    hc = 1 + (hits if hits < _LEVELS else _LEVELS) if hits else tag & _TIP
+    return hc * BANDS + ((tag >> _BAND_SHIFT) & _BAND_MASK)
 
 
 class HitDensityPolicy(EvictionPolicy):
@@ -168,9 +192,11 @@ class HitDensityPolicy(EvictionPolicy):
         b = bl if bl < 2 else 2 * bl - 2 + ((age >> (bl - 2)) & 1)
         self.hit_hist[c][b if b < BINS else BINS - 1] += 1.0
         self.ghost_hits += 1
-        if entry.hits == 0:  # a new entry: carry over the hits the index forgot, and this one
-            extra = (0 if c < 2 else c - 1) + 1
-            entry.tag = (entry.tag & (_TIP | _SEEN)) | ((extra if extra < _LEVELS else _LEVELS) << _EXTRA_SHIFT)
+        if entry.hits == 0:  # a new entry: carry over the hits the index forgot, this one, and its band
+            hc, band = divmod(c, BANDS)
+            extra = (0 if hc < 2 else hc - 1) + 1
+            entry.tag = ((entry.tag & (_TIP | _SEEN)) | ((extra if extra < _LEVELS else _LEVELS) << _EXTRA_SHIFT)
+                         | band << _BAND_SHIFT)
         self._events += 1
 
     def _trim_ghosts(self, now: int) -> None:
@@ -211,8 +237,8 @@ class HitDensityPolicy(EvictionPolicy):
         for (mask, hits, tag, last), n in Counter(map(_LIFE, islice(self.index.entries(), 0, None, stride))).items():
             if mask & bit:
                 hits += (tag >> _EXTRA_SHIFT) & _EXTRA_MASK
-                c = 1 + (hits if hits < _LEVELS else _LEVELS) if hits else tag & _TIP  # block_class, inlined
-                alive[c][age_bin(now - last)] += n * stride
+                hc = 1 + (hits if hits < _LEVELS else _LEVELS) if hits else tag & _TIP  # block_class, inlined
+                alive[hc * BANDS + ((tag >> _BAND_SHIFT) & _BAND_MASK)][age_bin(now - last)] += n * stride
         return alive
 
     def _update(self) -> None:
@@ -275,8 +301,27 @@ class HitDensityPolicy(EvictionPolicy):
         if not entry.tag & _SEEN:
             entry.tag |= _SEEN | (_TIP if entry.hits == 0 and self.index is not None
                                   and entry.last_access == self.index.clock else 0)
-        hits = entry.hits + ((entry.tag >> _EXTRA_SHIFT) & _EXTRA_MASK)
-        return 1 + (hits if hits < _LEVELS else _LEVELS) if hits else entry.tag & _TIP  # block_class, inlined
+        return block_class(entry)
+
+    def finished(self, entries: list[Entry], output_tokens: int) -> None:
+        """A request that used ``entries`` finished after generating ``output_tokens`` tokens.
+
+        Those of them in this tier take that output's band (``output_band``):
+        their class changes, not their age; a listed one is listed again under
+        its new class. Called by ``PrefixIndex.finished`` under the store's lock.
+        """
+        band = output_band(output_tokens) << _BAND_SHIFT
+        bit, tier = 1 << self.tier, self.tier
+        keep = ~(_BAND_MASK << _BAND_SHIFT)
+        for e in entries:
+            if not e.mask & bit or e.tag & (_BAND_MASK << _BAND_SHIFT) == band:
+                continue
+            if e.handles[tier] is None:
+                e.tag = e.tag & keep | band
+            else:
+                self.discard(e)
+                e.tag = e.tag & keep | band
+                self.add(e)
 
     def discard(self, entry: Entry) -> None:
         """Unlist ``entry`` (pinned, or no longer a leaf)."""
