@@ -139,6 +139,11 @@ class KVCacheManager:
                 seq.private[start + j] = False
         seq.num_saved = full
 
+    def finished(self, seq: Sequence) -> None:
+        """Tell the store that ``seq`` ended and how many tokens it generated (an eviction hint)."""
+        if self.enable_cache and seq.keys:
+            self.store.finished(seq.keys, len(seq.output_ids))
+
     def release(self, seq: Sequence) -> None:
         """Unpin the sequence's cached blocks and free its private slots; it holds nothing after."""
         if seq.load is not None:

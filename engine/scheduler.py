@@ -137,6 +137,7 @@ class Scheduler:
             if seq.finish_reason is not None:
                 seq.state = SeqState.FINISHED
                 self.running.remove(seq)
+                self.kv.finished(seq)
                 self.kv.release(seq)
         return out
 

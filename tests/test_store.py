@@ -754,3 +754,18 @@ def test_a_lookup_racing_a_load_names_the_tier_the_block_moved_to(make_store, la
     for i, slot in enumerate(m.l1_slots()):
         assert same_bytes(store.l1.block(slot), block_for(keys[i], layout))
     store.release(m)
+
+
+def test_finished_gives_a_requests_blocks_their_output_band(make_store, layout):
+    from tierkv.config import PolicyConfig
+    from tierkv.policy.hit_density import BANDS, block_class
+
+    store = make_store(l1=8, l2=8, l3=16, policy=PolicyConfig(name="hit_density", write="write_back"))
+    keys = save_prompt(store, prompt(1, 3, layout))
+    assert {block_class(store.index.get(k)) % BANDS for k in keys} == {0}  # nobody said: unknown
+    store.finished(keys + [b"\x00" * len(keys[0])], 700)  # a key the store does not hold is skipped
+    assert {block_class(store.index.get(k)) % BANDS for k in keys} == {3}
+    assert store.lookup_keys(keys, pin=False).num_blocks == 3  # a hint: nothing moved, nothing pinned
+    assert all(store.index.get(k).ref_count == 0 for k in keys)
+    with pytest.raises(ValueError, match="output_tokens"):
+        store.finished(keys, -1)

@@ -246,6 +246,22 @@ class TierKVStore:
             self.index.unpin(m.pinned)
             m.pinned = []
 
+    def finished(self, keys: Sequence[BlockHash], output_tokens: int) -> None:
+        """A request whose blocks are the chain ``keys`` finished after generating ``output_tokens``.
+
+        A hint for eviction (the default policy learns, per output band, how
+        often such blocks come back); nothing is pinned, touched or moved, and
+        keys the store no longer holds are skipped. Call it once per request
+        as it ends (the engine and the vLLM connector do). Thread-safe.
+        """
+        if output_tokens < 0:
+            raise ValueError(f"output_tokens: expected >= 0, got {output_tokens}")
+        index = self.index
+        with self._lock:
+            entries = [e for e in map(index.get, keys) if e is not None]
+            if entries:
+                index.finished(entries, output_tokens)
+
     def release_entries(self, entries: Sequence[Entry]) -> None:
         with self._lock:
             self.index.unpin(entries)

@@ -163,3 +163,15 @@ def test_the_step_is_the_stores_foreground_work(make_llm) -> None:
     llm.generate([prompts(1)[0]], GREEDY)
     assert seen and all(n == 1 for n in seen)
     assert llm.store.pacer.open_sections() == 0
+
+
+def test_a_finished_sequence_tells_the_store_its_output_length(make_llm) -> None:
+    """The eviction hint: a sequence's blocks take the band of the tokens it generated."""
+    from tierkv.policy.hit_density import BANDS, block_class, output_band
+
+    llm = make_llm()
+    out = llm.generate([prompts(1)[0]], GREEDY)[0]
+    keys = [k for k in llm.store.hash(out.prompt_token_ids + out.token_ids) if llm.store.index.get(k)]
+    assert keys
+    band = output_band(len(out.token_ids))
+    assert {block_class(llm.store.index.get(k)) % BANDS for k in keys} == {band}
