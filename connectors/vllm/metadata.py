@@ -41,12 +41,16 @@ class SaveSpec:
 class TierKVMetadata(KVConnectorMetadata):
     """One step's work. ``report_when_saved``: requests whose block free vLLM
     delayed for us; a worker lists each in ``finished_sending`` once its saves
-    are done. ``preempted``: requests whose blocks vLLM just freed."""
+    are done. ``preempted``: requests whose blocks vLLM just freed.
+    ``finished``: requests that ended since the last step, as (their chain as
+    far as it was saved, tokens generated): the store's eviction hint
+    (``TierKVStore.finished``)."""
 
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     report_when_saved: set[str] = field(default_factory=set)
     preempted: set[str] = field(default_factory=set)
+    finished: list[tuple[list[bytes], int]] = field(default_factory=list)
 
 
 @dataclass

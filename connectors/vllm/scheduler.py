@@ -75,6 +75,7 @@ class ConnectorScheduler:
         self._live: set[str] = set()  # every request vLLM added and has not finished (cacheable or not)
         self._loads: list[LoadSpec] = []
         self._report_when_saved: set[str] = set()
+        self._finished: list[tuple[list[bytes], int]] = []  # for the next step's metadata
         self._saves: dict[int, tuple[str, SaveSpec, list[int]]] = {}
         self._next_save_id = 0
         self._events: list = []
@@ -201,8 +202,8 @@ class ConnectorScheduler:
     def build_connector_meta(self, scheduler_output) -> TierKVMetadata:
         """This step's loads and saves; resets the step state."""
         meta = TierKVMetadata(loads=self._loads, report_when_saved=self._report_when_saved,
-                              preempted=set(scheduler_output.preempted_req_ids or ()))
-        self._loads, self._report_when_saved = [], set()
+                              preempted=set(scheduler_output.preempted_req_ids or ()), finished=self._finished)
+        self._loads, self._report_when_saved, self._finished = [], set(), []
         for req_id in meta.preempted:
             st = self._requests.get(req_id)
             if st is not None:
@@ -311,6 +312,9 @@ class ConnectorScheduler:
         if st is None:
             return False, None
         self._drop_match(st)
+        saved = max(st.saved_upto, st.stored_upto)
+        if saved:  # the workers' stores hear how much it generated (their eviction hint)
+            self._finished.append((st.keys[:saved], _num_output_tokens(request)))
         if st.saves_running > 0:
             self._report_when_saved.add(request.request_id)
             return True, None
@@ -331,6 +335,12 @@ class ConnectorScheduler:
     def shutdown(self) -> None:
         for st in self._requests.values():
             self._drop_match(st)
+
+
+def _num_output_tokens(request) -> int:
+    """Tokens ``request`` generated (vLLM's ``Request.num_output_tokens``)."""
+    n = getattr(request, "num_output_tokens", None)
+    return int(n) if n is not None else len(request.output_token_ids)
 
 
 def _cacheable(request) -> bool:

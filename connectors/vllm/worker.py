@@ -154,7 +154,11 @@ class ConnectorWorker:
         self._pinner.pin_new()  # vLLM has bound its threads by now; the store's were started earlier
 
     def bind(self, meta: TierKVMetadata) -> None:
+        """This step's metadata: note the requests to report once saved; pass on the finished ones'
+        output lengths to the store (an eviction hint; a key the store no longer holds is skipped)."""
         self._report |= meta.report_when_saved
+        for keys, output_tokens in meta.finished:
+            self.store.finished(keys, output_tokens)
 
     # -- loads ----------------------------------------------------------------
 

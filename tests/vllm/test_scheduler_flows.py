@@ -194,3 +194,23 @@ def test_async_save_delays_free_until_the_save_is_done(engine):
     assert any("s" in (s.connector_output.finished_sending or ()) for s in e.steps)
     assert e.store.lookup_keys(e.store.hash(p + list(req.output_token_ids))[:3], pin=False).num_blocks == 3
     assert no_pins(e)
+
+
+def test_a_finished_request_tells_the_workers_store_its_output_length(engine):
+    """request_finished -> the next step's metadata -> the worker's store.finished: the eviction hint."""
+    from tierkv.policy.hit_density import BANDS, block_class, output_band
+
+    e = engine(save_async=False)  # the default policy (hit_density)
+    p = prompt(10, 100)
+    req = e.add("f", p, max_tokens=9)
+    e.run()
+    assert req.is_finished() and len(req.output_token_ids) == 9
+    keys = e.store.hash(p)[:3]
+    assert {block_class(e.store.index.get(k)) % BANDS for k in keys} == {0}  # not told yet
+    e.add("g", prompt(11, 40))
+    step = e.step()
+    finished = step.output.kv_connector_metadata.finished
+    assert [(f_keys[:3], n) for f_keys, n in finished] == [(keys, 9)]
+    assert {block_class(e.store.index.get(k)) % BANDS for k in keys} == {output_band(9)}
+    e.run()
+    assert no_pins(e)
