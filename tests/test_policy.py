@@ -215,10 +215,12 @@ def test_the_store_evicts_by_its_configured_policy(make_store, layout, name, sur
 # -- hit_density: learns from what the index sees -----------------------------------
 
 
-def run_stream(index: PrefixIndex, stream: list[bytes], capacity: int) -> int:
-    """Single-block lookups as the store makes them (pin, touch, save, trim, unpin); returns the hits."""
+def run_stream(index: PrefixIndex, stream: list[bytes], capacity: int, outputs: list[int] | None = None) -> int:
+    """Single-block lookups as the store makes them (pin, touch, save, trim, unpin); returns the hits.
+
+    ``outputs``: each request's generated tokens, told to the index as it finishes (None: never)."""
     hits = 0
-    for key in stream:
+    for i, key in enumerate(stream):
         entry = index.get(key)
         if entry is not None:
             hits += 1
@@ -230,6 +232,8 @@ def run_stream(index: PrefixIndex, stream: list[bytes], capacity: int) -> int:
         while index.counts[L1] > capacity:
             index.drop(index.victim(L1).key, L1)
         index.unpin([entry])
+        if outputs is not None:
+            index.finished([entry], outputs[i])
     return hits
 
 
@@ -332,26 +336,9 @@ def test_hit_density_learns_which_output_bands_come_back():
             outs.append(4)
     returns = sum(short[:7400])
 
-    def run(policy: str, hint: bool) -> int:
-        index = index_with(policy)
-        hits = 0
-        for key, out in zip(stream, outs):
-            entry = index.get(key)
-            if entry is not None:
-                hits += 1
-                index.pin([entry])
-                index.touch([entry])
-            else:
-                index.touch([])
-                entry = index.add(key, None, 0, L1, pin=True)
-            while index.counts[L1] > 400:
-                index.drop(index.victim(L1).key, L1)
-            index.unpin([entry])
-            if hint:
-                index.finished([entry], out)
-        return hits
-
-    told, untold, lru = run("hit_density", True), run("hit_density", False), run("lru", True)
+    told = run_stream(index_with("hit_density"), stream, 400, outs)
+    untold = run_stream(index_with("hit_density"), stream, 400)
+    lru = run_stream(index_with("lru"), stream, 400, outs)
     assert lru == 0
     assert told > 0.8 * returns and told > untold + 0.3 * returns, (told, untold, returns)
 
