@@ -8,7 +8,10 @@ and one prefill queue: a request starts when the node has finished the ones
 before it. Costs are physics: per-tier load from the reference model's KV
 bytes per token over each tier's bandwidth to HBM, recompute from the
 model's prefill FLOPs at a given throughput. A request's TTFT is its wait in
-the queue plus its prefill (load the matched blocks, recompute the rest).
+the queue plus its prefill (load the matched blocks, recompute the rest). As
+a request ends its node's index hears how many tokens it generated (the
+trace's ``output_length``; ``PrefixIndex.finished``, what a node's store hears
+from its engine), unless ``--no-output-hint``.
 
 The routers are ``tierkv.route``'s own: each request, every node offers a
 ``Candidate`` (its match per tier, queue depth and delay, cost model) and the
@@ -25,7 +28,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 if __package__ in (None, ""):
@@ -66,10 +69,12 @@ class Request:
     arrival_us: float
     n_tokens: int
     keys: list[bytes]
+    output_tokens: int | None = None  # generated tokens, told to the node's index as it ends (None: not told)
 
 
 def load_requests(path: str | Path) -> list[Request]:
-    """The trace's requests: arrival (its ``timestamp``, ms), prompt length and chained block keys."""
+    """The trace's requests: arrival (its ``timestamp``, ms), prompt length, chained block keys and
+    output length (``output_length``; None where a line has none)."""
     chains = load_trace(path)
     out = []
     with open(path) as fh:
@@ -80,7 +85,8 @@ def load_requests(path: str | Path) -> list[Request]:
             arrival, n_tokens = float(row["timestamp"]) * 1e3, int(row["input_length"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ValueError(f"{path}:{n}: expected 'timestamp' and 'input_length' ({exc})") from None
-        out.append(Request(arrival, max(n_tokens, 1), keys))
+        output = row.get("output_length")
+        out.append(Request(arrival, max(n_tokens, 1), keys, None if output is None else max(int(output), 0)))
     return out
 
 
@@ -124,6 +130,8 @@ class SimNode:
         self.free_at = start + load_us + rest_us
         self.finishes.append(self.free_at)
         self._cache(keys, len(loaded))
+        if request.output_tokens is not None:
+            index.finished([e for e in map(index.get, keys) if e is not None], request.output_tokens)
         return self.free_at - request.arrival_us, len(loaded)
 
     def _cache(self, keys: list[bytes], hit: int) -> None:
@@ -251,6 +259,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--tflops", type=float, default=DEFAULT_TFLOPS, help="sustained prefill TFLOP/s per node")
     p.add_argument("--gbps", type=_gbps, default=DEFAULT_GBPS, help="L2,L3,L4 bandwidth into HBM, GB/s")
     p.add_argument("--queue-weight", type=float, default=None, help="tier_weighted: k per queued request")
+    p.add_argument("--no-output-hint", dest="output_hint", action="store_false",
+                   help="do not tell a node's index each request's output length as it ends")
     p.add_argument("--json", dest="json_out", default=None, help="write results here")
     args = p.parse_args(argv)
     if args.nodes < 1:
@@ -263,6 +273,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     requests = load_requests(args.trace)
+    if not args.output_hint:
+        requests = [replace(r, output_tokens=None) for r in requests]
     cost = reference_cost(args.model, args.tflops, args.gbps)
     results = []
     for name in args.routers:
@@ -282,6 +294,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.json_out:
         out = {"trace": str(args.trace), "nodes": args.nodes, "model": args.model, "tflops": args.tflops,
                "gbps": list(args.gbps), "tiers": dict(zip(TIER_NAMES, args.tiers)), "policy": args.policy,
+               "output_hint": args.output_hint,
                "cost_us_per_token": {"load": list(cost.load_us), "recompute": cost.recompute_us,
                                      "growth": cost.growth},
                "results": [asdict(r) for r in results]}

@@ -54,6 +54,19 @@ def test_queue_delays_the_next_request_and_cost_model_avoids_it(tmp_path):
     assert cm.mean_ttft_ms < lp.mean_ttft_ms
 
 
+def test_a_node_tells_its_index_what_each_request_generated(tmp_path):
+    from tierkv.policy.hit_density import BANDS, block_class, output_band
+
+    (request,) = fleet.load_requests(write_trace(tmp_path / "t.jsonl", [(0, [1, 2, 3])]))
+    assert request.output_tokens == 1  # write_trace's output_length
+    node = fleet.SimNode("n", [8, 0, 0], "hit_density", COST, 2000.0)
+    node.serve(request)
+    assert {block_class(node.index.get(k)) % BANDS for k in request.keys} == {output_band(1)}
+    untold = fleet.SimNode("n", [8, 0, 0], "hit_density", COST, 2000.0)
+    untold.serve(fleet.Request(request.arrival_us, request.n_tokens, request.keys))
+    assert {block_class(untold.index.get(k)) % BANDS for k in request.keys} == {0}
+
+
 def test_command_line_writes_one_row_per_router(tmp_path):
     trace = write_trace(tmp_path / "t.jsonl", [(i * 100, [i % 3, 7, 8]) for i in range(30)])
     out = tmp_path / "out.json"
@@ -63,6 +76,10 @@ def test_command_line_writes_one_row_per_router(tmp_path):
     rows = json.loads(out.read_text())["results"]
     assert [r["router"] for r in rows] == ["round_robin", "hash", "longest_prefix", "tier_weighted", "cost_model"]
     assert all({"hit_rate", "mean_ttft_ms", "p90_ttft_ms"} <= set(r) for r in rows)
+    assert json.loads(out.read_text())["output_hint"] is True
+    subprocess.run([sys.executable, str(ROOT / "tools" / "fleet.py"), str(trace), "--nodes", "2", "--routers", "hash",
+                    "--no-output-hint", "--json", str(out)], capture_output=True, text=True, timeout=120, check=True)
+    assert json.loads(out.read_text())["output_hint"] is False
     bad = subprocess.run([sys.executable, str(ROOT / "tools" / "fleet.py"), str(trace), "--routers", "random"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "expected routers from" in bad.stderr
