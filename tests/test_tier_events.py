@@ -239,7 +239,7 @@ def test_an_armed_alarm_wakes_its_waiter_later_and_a_fired_one_at_once(make_alar
 def test_records_racing_the_delivery_thread_lose_none(make_alarm):
     # Thousands of batches swapped out while records keep coming (a GIL switch every microsecond):
     # the listener's view must end equal to what was recorded.
-    events = TierEvents(window_s=0)
+    events = TierEvents(window_s=0, min_interval_s=0)
     events._alarm = make_alarm()     # before the thread starts: each way of waking delivers everything
     seen: set[tuple[bytes, int]] = set()
 
@@ -269,6 +269,38 @@ def test_records_racing_the_delivery_thread_lose_none(make_alarm):
     assert events.flush(10)
     events.close()
     assert events.batches > 100 and seen == truth
+
+
+def test_a_batch_right_after_another_waits_out_the_interval_and_a_flush_does_not():
+    class Alarm(alarm.LockAlarm):
+        def __init__(self):
+            super().__init__()
+            self.delays = []
+
+        def arm(self, delay):
+            self.delays.append(delay)
+            super().arm(delay)
+
+    events = TierEvents(window_s=0.001, min_interval_s=60)
+    events._alarm = ring = Alarm()   # before the thread starts
+    got = []
+    events.add_listener(lambda s, r: got.append(s), by_tier=True)
+    with events.lock:
+        events.stored(b"a", L1)      # nothing went out before: the window alone
+    assert events.flush(10)
+    with events.lock:
+        events.stored(b"b", L1)      # a batch just went out: the next waits for the interval...
+        events.stored(b"c", L1)      # ...and the batch's later records arm nothing
+    assert ring.delays[0] == 0.001 and 59 < ring.delays[1] <= 60 and len(ring.delays) == 2
+    assert events.flush(10)          # ...unless flushed
+    events.close()
+    assert got == [[[b"a"], [], [], []], [[b"b", b"c"], [], [], []]]
+
+
+def test_bad_event_timings_name_the_field():
+    for kwargs, field in (({"window_s": -1}, "window_s"), ({"min_interval_s": float("nan")}, "min_interval_s")):
+        with pytest.raises(ValueError, match=field):
+            TierEvents(**kwargs)
 
 
 def test_taking_a_batch_waits_for_the_record_being_written():
