@@ -46,6 +46,9 @@ TierListener = Callable[[list, list], None]
 by every listener (and a publisher keeps them for its snapshots): read them, never change them."""
 
 NUM_TIERS = 4  # L1..L4, the int values of tierkv.index.Tier
+# A deferred record's code: the tier it arrived in, or NUM_TIERS + the tier it left.
+_STORED = tuple(range(NUM_TIERS))
+_REMOVED = tuple(range(NUM_TIERS, 2 * NUM_TIERS))
 WINDOW_S = 0.025  # how long a batch fills after its first record: one delivery per window, not per burst
 MIN_INTERVAL_S = 0.1  # how long after the previous batch the next goes out at the earliest (a steady stream's rate)
 
@@ -65,9 +68,12 @@ class TierEvents:
     run one at a time on the thread ``tierkv-events``; an exception one
     raises is counted in ``errors`` and logged once, never seen by the store.
     ``flush`` cuts the window short. ``batches`` counts the batches delivered.
-    A batch goes out ``window_s`` after its first record or ``min_interval_s``
+    ``deferred`` / ``record_deferred`` record one operation's changes in one
+    go (see ``DeferredRecords``). A batch goes out ``window_s`` after its first record or ``min_interval_s``
     after the batch before it went out, whichever is later.
     """
+
+    records = None  # (a DeferredRecords has its log here: recorders that look append to it instead of calling)
 
     def __init__(self, lock: threading.RLock | None = None, window_s: float = WINDOW_S,
                  min_interval_s: float = MIN_INTERVAL_S) -> None:
@@ -173,6 +179,31 @@ class TierEvents:
             if not self._armed:
                 self._arm()
 
+    def deferred(self) -> DeferredRecords | None:
+        """A recorder for one operation made under ``lock``, to hand to ``record_deferred`` at its end;
+        None when nobody listens (then nothing needs recording)."""
+        return DeferredRecords() if self._listeners else None
+
+    def record_deferred(self, deferred: DeferredRecords) -> None:
+        """Record what ``deferred`` logged, in order, as ``stored`` / ``removed`` would have one by one.
+        Caller holds ``lock``."""
+        records = deferred.records
+        if self._listeners and records:
+            self._recording = True
+            try:
+                new, gone = self._batch
+                it = iter(records)
+                for key, code in zip(it, it):  # (key, code) pairs, flat
+                    if code < NUM_TIERS:
+                        if gone[code].pop(key, None) is None:
+                            new[code][key] = True
+                    elif new[code - NUM_TIERS].pop(key, None) is None:
+                        gone[code - NUM_TIERS][key] = True
+            finally:
+                self._recording = False
+            if not self._armed:
+                self._arm()
+
     def _arm(self) -> None:
         """Set the alarm for the pending batch (its first record; the caller holds ``lock``)."""
         self._armed = True
@@ -271,6 +302,50 @@ class TierEvents:
                     log.warning("tierkv: tier listener %r failed; further failures are only counted "
                                 "(tier events errors)", listener, exc_info=True)
         return True
+
+
+class DeferredRecords:
+    """Stands in for a store's ``TierEvents`` while one operation under its lock changes many blocks
+    (a put of many blocks: a store and an eviction each), so that the changes are told in one call.
+
+    The cost of recording a change one call at a time is not the dict work
+    but the call and the cold ``TierEvents`` state behind it, paid again after
+    every block's copy has emptied the caches. Here a change is two appends to
+    ``records`` (key, then code: ``_STORED`` / ``_REMOVED`` of the tier); the
+    index appends to it directly, without a call, when it finds it there.
+    ``TierEvents.record_deferred`` then nets them in order, in one go. Same
+    methods as ``TierEvents``'s recorders; not thread-safe (one operation,
+    under the store's lock).
+    """
+
+    __slots__ = ("records",)
+    _listeners = (True,)  # (the C index paths gather a save's keys only for events someone listens to)
+
+    def __init__(self) -> None:
+        self.records: list = []
+
+    def stored(self, key: bytes, tier: int) -> None:
+        code = _STORED[tier]
+        records = self.records
+        records.append(key)
+        records.append(code)
+
+    def removed(self, key: bytes, tier: int) -> None:
+        code = _REMOVED[tier]
+        records = self.records
+        records.append(key)
+        records.append(code)
+
+    def stored_keys(self, keys: list[bytes], tier: int) -> None:
+        self._keys(keys, _STORED[tier])
+
+    def removed_keys(self, keys: list[bytes], tier: int) -> None:
+        self._keys(keys, _REMOVED[tier])
+
+    def _keys(self, keys: list[bytes], code: int) -> None:
+        pairs = [code, code] * len(keys)
+        pairs[::2] = keys
+        self.records += pairs
 
 
 def _ring(bell: threading.Lock) -> None:
