@@ -12,8 +12,8 @@ put_ref / put_small           ``store.put_blocks`` of new blocks into a full L2 
                               (2 MiB) a put, ``small``: 256 of the lookup bench's 16 KiB blocks, where
                               bookkeeping is most of a put. A slot is ``--puts-per-slot`` puts (12) back to
                               back, as an engine saving a stream of requests makes them: the events batch
-                              as they do in service (one batch per 25 ms window, not one per put), and the
-                              slot ends with ``store.flush()``. Every block has contents of its own, and
+                              as they do in service (not one per put: a batch 25 ms after the slot's first
+                              record, then at most one per 100 ms), and the slot ends with ``store.flush()``. Every block has contents of its own, and
                               after each slot (off the clocks) every block is read back from L2 and compared.
                               ``--puts-per-slot 1`` is the old worst case: a flush after every put, so every
                               put pays a batch of its own (nothing in tierkv flushes after a save).
@@ -80,7 +80,7 @@ PROMPT, ENTRIES = 1000, 200_000
 REF_LAYOUT = KVLayout(num_layers=32, num_kv_heads=8, head_dim=128, block_size=16, dtype="bfloat16")
 PUTS = {"ref": (REF_LAYOUT, 32, 128), "small": (LAYOUT, 256, 2048)}  # layout, blocks per put, L2 blocks
 CYCLE = "EONO"  # a store's slots; the second store of a kind runs one slot behind
-PER_SLOT = 12  # puts a slot streams back to back (~50-100 ms of 2 MiB puts: batches fill for their 25 ms window)
+PER_SLOT = 12  # puts a slot streams back to back (~50-100 ms of 2 MiB puts: longer than a batch's 25 ms window)
 SETTLE_S = 0.002  # inside every put's CPU clock, after the flushes: ZMQ's I/O thread sends meanwhile
 
 

@@ -59,6 +59,8 @@ def snapshot(index: PrefixIndex) -> tuple:
 class Recorder:
     """Stands in for tierkv.events.TierEvents: records what the index reports."""
 
+    records = None  # (no DeferredRecords log: the index calls the methods)
+
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 

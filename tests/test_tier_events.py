@@ -8,9 +8,9 @@ import threading
 
 import pytest
 
-from _kv import prompt, save_prompt
+from _kv import block_for, prompt, save_prompt
 from tierkv import alarm
-from tierkv.events import TierEvents
+from tierkv.events import DeferredRecords, TierEvents
 from tierkv.index import Tier
 
 L1, L2, L3 = Tier.L1, Tier.L2, Tier.L3
@@ -124,18 +124,25 @@ def test_a_batch_is_the_net_change():
     assert got == [([(b"x", L1)], []), ([(b"c", L2), (b"d", Tier.L4)], [(b"c", L1)])]
 
 
-def _batch_after(ops, bulk: bool) -> tuple:
-    """The pending batch a TierEvents holds after ``ops`` ((stored?, keys, tier) each), recorded key by
-    key or one call per op (``stored_keys``/``removed_keys``); the thread never delivers (long window)."""
+def _batch_after(ops, bulk: bool, deferred: bool = False, before=()) -> tuple:
+    """The pending batch a TierEvents holds after ``before`` then ``ops`` ((stored?, keys, tier) each),
+    recorded key by key or one call per op (``stored_keys``/``removed_keys``); ``deferred``: ``ops``
+    through a DeferredRecords, told in one ``record_deferred``. The thread never delivers (long window)."""
     events = TierEvents(window_s=3600)
     events.add_listener(lambda s, r: None, by_tier=True)
     with events.lock:
+        for is_stored, keys, tier in before:
+            for key in keys:
+                (events.stored if is_stored else events.removed)(key, tier)
+        recorder = events.deferred() if deferred else events
         for is_stored, keys, tier in ops:
             if bulk:
-                (events.stored_keys if is_stored else events.removed_keys)(keys, tier)
+                (recorder.stored_keys if is_stored else recorder.removed_keys)(keys, tier)
             else:
                 for key in keys:
-                    (events.stored if is_stored else events.removed)(key, tier)
+                    (recorder.stored if is_stored else recorder.removed)(key, tier)
+        if deferred:
+            events.record_deferred(recorder)
     new, gone = events._batch
     batch = [list(d.items()) for d in new], [list(d.items()) for d in gone]  # contents and order
     events.close()
@@ -149,6 +156,68 @@ def test_recording_a_chain_in_one_call_nets_out_as_key_by_key():
         ops = [(rng.random() < 0.5, [rng.choice(keys) for _ in range(rng.randrange(0, 6))], rng.randrange(4))
                for _ in range(rng.randrange(1, 12))]
         assert _batch_after(ops, bulk=True) == _batch_after(ops, bulk=False), ops
+
+
+def test_an_operation_told_in_one_go_nets_out_as_told_key_by_key():
+    rng = random.Random(11)
+    keys = [bytes([i]) * 16 for i in range(12)]
+
+    def some_ops():
+        return [(rng.random() < 0.5, [rng.choice(keys) for _ in range(rng.randrange(0, 6))], rng.randrange(4))
+                for _ in range(rng.randrange(0, 12))]
+
+    for _ in range(200):
+        before, ops = some_ops(), some_ops()  # (what the batch held already: the cancels reach into it)
+        want = _batch_after(ops, bulk=False, before=before)
+        assert _batch_after(ops, bulk=False, deferred=True, before=before) == want, (before, ops)
+        assert _batch_after(ops, bulk=True, deferred=True, before=before) == want, (before, ops)
+
+
+def test_nothing_is_deferred_without_a_listener_and_a_bad_tier_raises_before_any_record():
+    events = TierEvents(window_s=3600)
+    assert events.deferred() is None
+    events.add_listener(lambda s, r: None)
+    deferred = events.deferred()
+    with pytest.raises(IndexError):
+        deferred.stored(b"k", 7)
+    deferred.removed(b"k", L2)
+    assert deferred.records == [b"k", 4 + L2]
+    events.close()
+
+
+def test_a_put_tells_its_stores_and_evictions_in_one_go_and_gives_the_index_its_events_back(make_store, layout):
+    store = make_store(l1=4, l2=4, l3=0)     # no L3: a put lands in L2 and, once it is full, evicts
+    rec = Recorder()
+    store.add_tier_listener(rec)
+    told = []
+    record_deferred = store.events.record_deferred
+    store.events.record_deferred = lambda d: (told.append(list(d.records)), record_deferred(d))
+    tokens = prompt(3, 6, layout)
+    keys = store.hash(tokens)
+    assert store.put_blocks(keys[:4], [block_for(k, layout) for k in keys[:4]]) == [True] * 4
+    assert store.put_blocks(keys, [block_for(k, layout) for k in keys[4:]], start=4) == [True] * 2  # evicts 2
+    assert store.index.events is store.events
+    store.flush()
+    assert rec.net() == held_by_index(store) == {(k, L2) for k in store.index._entries}
+    assert len(told) == 2 and [told[0][1::2], len(told[1])] == [[L2] * 4, 8]
+    assert sorted(told[1][1::2]) == [L2, L2, 4 + L2, 4 + L2]  # two stores, two evictions, one call
+    store.events.record_deferred = record_deferred
+
+
+def test_the_index_appends_to_a_deferred_log_and_its_c_paths_call_it(make_store):
+    from tierkv.index import PrefixIndex
+    from tierkv.policy import make_policy
+
+    chain = [bytes([i]) * 16 for i in range(4)]
+    for native in (False, None):
+        index = PrefixIndex([make_policy("lru", t, lower=t + 1 if t < 2 else None) for t in (L1, L2, Tier.L3)],
+                            native=native)
+        index.events = deferred = DeferredRecords()
+        index.add(chain[0], None, 0, L1)          # Python: two appends
+        index.save_chain(chain, 0, L2)           # C (or Python): one stored_keys
+        index.drop(chain[0], L1)
+        want = [chain[0], L1, *[x for k in chain for x in (k, L2)], chain[0], 4 + L1]
+        assert deferred.records == want, native
 
 
 def test_nothing_is_recorded_in_bulk_without_a_listener():
@@ -239,7 +308,7 @@ def test_an_armed_alarm_wakes_its_waiter_later_and_a_fired_one_at_once(make_alar
 def test_records_racing_the_delivery_thread_lose_none(make_alarm):
     # Thousands of batches swapped out while records keep coming (a GIL switch every microsecond):
     # the listener's view must end equal to what was recorded.
-    events = TierEvents(window_s=0)
+    events = TierEvents(window_s=0, min_interval_s=0)
     events._alarm = make_alarm()     # before the thread starts: each way of waking delivers everything
     seen: set[tuple[bytes, int]] = set()
 
@@ -269,6 +338,38 @@ def test_records_racing_the_delivery_thread_lose_none(make_alarm):
     assert events.flush(10)
     events.close()
     assert events.batches > 100 and seen == truth
+
+
+def test_a_batch_right_after_another_waits_out_the_interval_and_a_flush_does_not():
+    class Alarm(alarm.LockAlarm):
+        def __init__(self):
+            super().__init__()
+            self.delays = []
+
+        def arm(self, delay):
+            self.delays.append(delay)
+            super().arm(delay)
+
+    events = TierEvents(window_s=0.001, min_interval_s=60)
+    events._alarm = ring = Alarm()   # before the thread starts
+    got = []
+    events.add_listener(lambda s, r: got.append(s), by_tier=True)
+    with events.lock:
+        events.stored(b"a", L1)      # nothing went out before: the window alone
+    assert events.flush(10)
+    with events.lock:
+        events.stored(b"b", L1)      # a batch just went out: the next waits for the interval...
+        events.stored(b"c", L1)      # ...and the batch's later records arm nothing
+    assert ring.delays[0] == 0.001 and 59 < ring.delays[1] <= 60 and len(ring.delays) == 2
+    assert events.flush(10)          # ...unless flushed
+    events.close()
+    assert got == [[[b"a"], [], [], []], [[b"b", b"c"], [], [], []]]
+
+
+def test_bad_event_timings_name_the_field():
+    for kwargs, field in (({"window_s": -1}, "window_s"), ({"min_interval_s": float("nan")}, "min_interval_s")):
+        with pytest.raises(ValueError, match=field):
+            TierEvents(**kwargs)
 
 
 def test_taking_a_batch_waits_for_the_record_being_written():

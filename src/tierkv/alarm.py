@@ -27,6 +27,7 @@ import threading
 import weakref
 
 _CLOCK_MONOTONIC = 1
+_KEPT_SPECS = 256  # timespecs an alarm keeps, one per delay it was armed with; others are built per call
 
 
 class _Timespec(ctypes.Structure):
@@ -71,7 +72,9 @@ class TimerAlarm:
         spec = self._specs.get(delay)
         if spec is None:
             struct = _spec(delay)
-            spec = self._specs[delay] = (struct, ctypes.byref(struct))
+            spec = (struct, ctypes.byref(struct))  # (the byref keeps its struct alive)
+            if len(self._specs) < _KEPT_SPECS:
+                self._specs[delay] = spec
         return spec[1]
 
     def arm(self, delay: float) -> None:

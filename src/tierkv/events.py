@@ -7,12 +7,20 @@ store's lock, which already serialises every commit: it is a dict operation
 or two on the pending batch (no lock of its own, no object per event), and
 nothing at all when no listener is registered. The first record of a batch
 arms an alarm (``tierkv.alarm``: on Linux a timerfd, which wakes nobody now)
-for ``window_s`` later; when it goes off, the delivery thread
+for ``window_s`` later, or for ``min_interval_s`` after the previous batch
+went out if that is later; when it goes off, the delivery thread
 ``tierkv-events`` wakes, once per batch, swaps in an empty batch without
 taking any lock (a flag the recorder raises while it writes tells the thread
 when the old batch is complete), and hands it to the listeners, so neither a
 slow listener nor the delivery itself ever waits for, or holds up, a lookup
 or a save.
+
+A batch costs its delivery about the same whatever it carries (a wake, an
+encode, the sends, ZMQ's I/O thread's send, all on cold caches), so the
+batch rate sets the events' cost. ``window_s`` (25 ms) is how late a change
+may reach a listener when changes are sparse; ``min_interval_s`` (100 ms)
+caps the rate under a steady stream of them (10 batches a second, where
+the window alone let 40 through), which is when their cost shows.
 
 A batch is a net change: a block stored into a tier and removed from it again
 before the batch went out appears in neither list (and the other way round).
@@ -23,6 +31,7 @@ they are.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -37,7 +46,11 @@ TierListener = Callable[[list, list], None]
 by every listener (and a publisher keeps them for its snapshots): read them, never change them."""
 
 NUM_TIERS = 4  # L1..L4, the int values of tierkv.index.Tier
+# A deferred record's code: the tier it arrived in, or NUM_TIERS + the tier it left.
+_STORED = tuple(range(NUM_TIERS))
+_REMOVED = tuple(range(NUM_TIERS, 2 * NUM_TIERS))
 WINDOW_S = 0.025  # how long a batch fills after its first record: one delivery per window, not per burst
+MIN_INTERVAL_S = 0.1  # how long after the previous batch the next goes out at the earliest (a steady stream's rate)
 
 
 def _empty() -> tuple[dict[bytes, bool], ...]:
@@ -55,13 +68,22 @@ class TierEvents:
     run one at a time on the thread ``tierkv-events``; an exception one
     raises is counted in ``errors`` and logged once, never seen by the store.
     ``flush`` cuts the window short. ``batches`` counts the batches delivered.
+    ``deferred`` / ``record_deferred`` record one operation's changes in one
+    go (see ``DeferredRecords``). A batch goes out ``window_s`` after its first record or ``min_interval_s``
+    after the batch before it went out, whichever is later.
     """
 
-    def __init__(self, lock: threading.RLock | None = None, window_s: float = WINDOW_S) -> None:
-        if not window_s >= 0:
-            raise ValueError(f"events.window_s: expected seconds >= 0, got {window_s!r}")
+    records = None  # (a DeferredRecords has its log here: recorders that look append to it instead of calling)
+
+    def __init__(self, lock: threading.RLock | None = None, window_s: float = WINDOW_S,
+                 min_interval_s: float = MIN_INTERVAL_S) -> None:
+        for name, value in (("window_s", window_s), ("min_interval_s", min_interval_s)):
+            if not value >= 0:
+                raise ValueError(f"events.{name}: expected seconds >= 0, got {value!r}")
         self.lock = lock if lock is not None else threading.RLock()
         self.window_s = window_s
+        self.min_interval_s = min_interval_s
+        self._earliest = 0.0  # time.monotonic() before which the next batch does not go out (set by the thread)
         self._listeners: tuple[tuple[TierListener, bool], ...] = ()  # copy-on-write: read without the lock
         self._admin = threading.Lock()  # listeners, the flush count, close
         # The pending batch: per tier, keys stored / removed, in arrival order. Swapped whole (one
@@ -113,8 +135,7 @@ class TierEvents:
             finally:  # (a bad tier raises to the caller; the delivery thread must not wait for it)
                 self._recording = False
             if not self._armed:  # the batch's first record (callers are serialised); after the write: see _run
-                self._armed = True
-                self._alarm.arm(self.window_s)
+                self._arm()
 
     def removed(self, key: bytes, tier: int) -> None:
         """``tier`` no longer holds ``key``. Caller holds ``lock``."""
@@ -127,8 +148,7 @@ class TierEvents:
             finally:
                 self._recording = False
             if not self._armed:
-                self._armed = True
-                self._alarm.arm(self.window_s)
+                self._arm()
 
     def stored_keys(self, keys: list[bytes], tier: int) -> None:
         """``stored`` of every key of ``keys``, in order (one call for a save's whole chain). Caller
@@ -157,8 +177,38 @@ class TierEvents:
             finally:
                 self._recording = False
             if not self._armed:
-                self._armed = True
-                self._alarm.arm(self.window_s)
+                self._arm()
+
+    def deferred(self) -> DeferredRecords | None:
+        """A recorder for one operation made under ``lock``, to hand to ``record_deferred`` at its end;
+        None when nobody listens (then nothing needs recording)."""
+        return DeferredRecords() if self._listeners else None
+
+    def record_deferred(self, deferred: DeferredRecords) -> None:
+        """Record what ``deferred`` logged, in order, as ``stored`` / ``removed`` would have one by one.
+        Caller holds ``lock``."""
+        records = deferred.records
+        if self._listeners and records:
+            self._recording = True
+            try:
+                new, gone = self._batch
+                it = iter(records)
+                for key, code in zip(it, it):  # (key, code) pairs, flat
+                    if code < NUM_TIERS:
+                        if gone[code].pop(key, None) is None:
+                            new[code][key] = True
+                    elif new[code - NUM_TIERS].pop(key, None) is None:
+                        gone[code - NUM_TIERS][key] = True
+            finally:
+                self._recording = False
+            if not self._armed:
+                self._arm()
+
+    def _arm(self) -> None:
+        """Set the alarm for the pending batch (its first record; the caller holds ``lock``)."""
+        self._armed = True
+        delay = max(self.window_s, self._earliest - time.monotonic())
+        self._alarm.arm(math.ceil(delay * 1000) / 1000)  # whole ms: the alarm keeps a timespec per delay
 
     def _pending(self) -> bool:
         new, gone = self._batch
@@ -216,7 +266,9 @@ class TierEvents:
             if not ((self._flushing or self._closed) and self._pending()):
                 alarm.wait()  # the window of the batch's first record, or a flush or close
             # Clear the flag before the swap: a record into the new batch then finds it down and arms
-            # the alarm again; one into the old batch that arms it too only costs an empty wake.
+            # the alarm again; one into the old batch that arms it too only costs an empty wake. The
+            # next batch's earliest time is set first, so that any arming after this sees it.
+            self._earliest = time.monotonic() + self.min_interval_s
             self._armed = False
             self._delivering = True  # before the swap: flush must never see neither pending nor delivering
             listeners = self._listeners
@@ -250,6 +302,50 @@ class TierEvents:
                     log.warning("tierkv: tier listener %r failed; further failures are only counted "
                                 "(tier events errors)", listener, exc_info=True)
         return True
+
+
+class DeferredRecords:
+    """Stands in for a store's ``TierEvents`` while one operation under its lock changes many blocks
+    (a put of many blocks: a store and an eviction each), so that the changes are told in one call.
+
+    The cost of recording a change one call at a time is not the dict work
+    but the call and the cold ``TierEvents`` state behind it, paid again after
+    every block's copy has emptied the caches. Here a change is two appends to
+    ``records`` (key, then code: ``_STORED`` / ``_REMOVED`` of the tier); the
+    index appends to it directly, without a call, when it finds it there.
+    ``TierEvents.record_deferred`` then nets them in order, in one go. Same
+    methods as ``TierEvents``'s recorders; not thread-safe (one operation,
+    under the store's lock).
+    """
+
+    __slots__ = ("records",)
+    _listeners = (True,)  # (the C index paths gather a save's keys only for events someone listens to)
+
+    def __init__(self) -> None:
+        self.records: list = []
+
+    def stored(self, key: bytes, tier: int) -> None:
+        code = _STORED[tier]
+        records = self.records
+        records.append(key)
+        records.append(code)
+
+    def removed(self, key: bytes, tier: int) -> None:
+        code = _REMOVED[tier]
+        records = self.records
+        records.append(key)
+        records.append(code)
+
+    def stored_keys(self, keys: list[bytes], tier: int) -> None:
+        self._keys(keys, _STORED[tier])
+
+    def removed_keys(self, keys: list[bytes], tier: int) -> None:
+        self._keys(keys, _REMOVED[tier])
+
+    def _keys(self, keys: list[bytes], code: int) -> None:
+        pairs = [code, code] * len(keys)
+        pairs[::2] = keys
+        self.records += pairs
 
 
 def _ring(bell: threading.Lock) -> None:

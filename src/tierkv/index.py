@@ -24,6 +24,8 @@ from enum import IntEnum
 from functools import partial
 from typing import Protocol
 
+from tierkv.events import NUM_TIERS as _NUM_TIERS  # a removal's code in a DeferredRecords: NUM_TIERS + its tier
+
 log = logging.getLogger("tierkv")
 
 
@@ -136,6 +138,8 @@ class PrefixIndex:
         self.listener_errors = 0
         # Optional tierkv.events.TierEvents: told of every (key, tier) this index adds or drops (a
         # save's chain in one stored_keys call, when anyone listens; each other change by itself).
+        # For one operation it may be a DeferredRecords, whose ``records`` list add and drop append
+        # to directly (``records`` is None on a TierEvents: they call stored / removed).
         self.events = None
         if native is False:
             self._c = None
@@ -201,8 +205,14 @@ class PrefixIndex:
         admit = self._admits[tier]
         if admit is not None:
             admit(entry)
-        if self.events is not None:
-            self.events.stored(key, tier)
+        events = self.events
+        if events is not None:
+            records = events.records  # a DeferredRecords' log: two appends, no call
+            if records is None:
+                events.stored(key, tier)
+            else:
+                records.append(key)
+                records.append(tier)
         if parent is not None:
             parent_entry = self._entries.get(parent) or self._uncached_parents.get(parent)
             if parent_entry is None:
@@ -354,8 +364,14 @@ class PrefixIndex:
             entry.l1_slot = None
         self.counts[tier] -= 1
         key = entry.key
-        if self.events is not None:
-            self.events.removed(key, tier)
+        events = self.events
+        if events is not None:
+            records = events.records  # as in add
+            if records is None:
+                events.removed(key, tier)
+            else:
+                records.append(key)
+                records.append(tier + _NUM_TIERS)
         exposed = None
         parent = entry.parent
         if parent is not None:

@@ -199,7 +199,20 @@ class Placement:
                    plan: Plan) -> tuple[list[bool], list[Entry]]:
         """Plan blocks from outside L1 into the highest tier below it: L2 now (a memmove), L3 read in
         place by the IO thread (the caller waits), L4 staged. Returns per block whether it is stored
-        (or already was, in L2 or L3) and the entries now in L2 (for write-through)."""
+        (or already was, in L2 or L3) and the entries now in L2 (for write-through). The tier changes
+        (each block stored, each victim evicted) are told to the events in one go, at the end."""
+        deferred = self.events.deferred()
+        if deferred is None:
+            return self._put_blocks(keys, blocks, start, plan)
+        self.index.events = deferred
+        try:
+            return self._put_blocks(keys, blocks, start, plan)
+        finally:
+            self.index.events = self.events
+            self.events.record_deferred(deferred)
+
+    def _put_blocks(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor], start: int,
+                    plan: Plan) -> tuple[list[bool], list[Entry]]:
         tier, out, in_l2 = self.lower(Tier.L1), [], []
         for i, block in enumerate(blocks, start):
             entry = self.index.get(keys[i])
