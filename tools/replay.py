@@ -232,8 +232,7 @@ class Replayer:
         if self.future is not None:
             return self._run_oracle(requests, multi)
         index, cost = self.index, self.cost
-        finished = index.finished if outputs is not None and index._finishers else None
-        outs = iter(outputs) if finished is not None else repeat(0)
+        finished = index.finished if outputs is not None else None
         match, use, save_chain, unpin = index.match_entries, index.use, index.save_chain, index.unpin
         top = LOCAL_TIERS[0]
         cap_top = self.capacities[top]
@@ -244,7 +243,7 @@ class Replayer:
         record = hit_lengths.append
         saved_us = 0.0
         evicted = 0
-        for keys in requests:
+        for keys, out in zip(requests, outputs if outputs is not None else repeat(0)):
             # As the store does: the lookup pins and touches the blocks it found,
             # then the request's blocks are saved into (or promoted to) the top tier, pinned.
             entries = match(keys)
@@ -270,7 +269,6 @@ class Replayer:
             unpin(entries)
             while counts[top] > cap_top and self._evict(top):  # a request larger than the tier
                 pass
-            out = next(outs)
             if finished is not None:
                 finished(entries, out)
         self.evictions[top] += evicted

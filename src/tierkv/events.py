@@ -325,16 +325,10 @@ class DeferredRecords:
         self.records: list = []
 
     def stored(self, key: bytes, tier: int) -> None:
-        code = _STORED[tier]
-        records = self.records
-        records.append(key)
-        records.append(code)
+        self.records += (key, _STORED[tier])
 
     def removed(self, key: bytes, tier: int) -> None:
-        code = _REMOVED[tier]
-        records = self.records
-        records.append(key)
-        records.append(code)
+        self.records += (key, _REMOVED[tier])
 
     def stored_keys(self, keys: list[bytes], tier: int) -> None:
         self._keys(keys, _STORED[tier])

@@ -316,11 +316,11 @@ class HitDensityPolicy(EvictionPolicy):
         for e in entries:
             if not e.mask & bit or e.tag & (_BAND_MASK << _BAND_SHIFT) == band:
                 continue
-            if e.handles[tier] is None:
-                e.tag = e.tag & keep | band
-            else:
+            listed = e.handles[tier] is not None
+            if listed:  # its queue is its class: unlist under the old one, list under the new
                 self.discard(e)
-                e.tag = e.tag & keep | band
+            e.tag = e.tag & keep | band
+            if listed:
                 self.add(e)
 
     def discard(self, entry: Entry) -> None:
