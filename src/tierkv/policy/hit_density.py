@@ -32,8 +32,9 @@ et al., NSDI '18), with ARC-style ghosts to see past its own evictions:
   in the heavy-tailed reuse of prefix caches), so eviction compares one head
   per class: O(classes + log n).
 
-Histograms decay geometrically, so the weights follow a changing workload;
-a class with little data leans on the pooled histograms of all classes, and
+Histograms decay geometrically (an update per turnover of the tier), so the
+weights follow a changing workload; at each age a class with few hits past it
+leans on the pooled rate of all classes there (a one-hit Gamma prior), and
 before any data every class has the same falling density, which makes the
 order plain LRU. Cost-awareness stays where it is real: the density is
 multiplied by what a reuse saves by staying in this tier
@@ -66,23 +67,34 @@ _CLASS_MASK = (1 << TAG_BITS) - 1  # a listed block's handle carries its class (
 _EXTRA_SHIFT, _EXTRA_MASK = 2, 3
 _BAND_SHIFT, _BAND_MASK = 4, 3
 # Recompute the densities after as many observed events (hits, ghost returns
-# and ends, evictions) as there are live blocks and ghosts, at least this many;
-# each time multiply the histograms by _DECAY (a memory of ~20 such periods).
+# and ends, evictions) as the tier holds blocks (one turnover of the tier), at
+# least this many, and enough that the update's scan reads at most GHOST_FACTOR
+# + 1 of the tier's lives and one entry of another tier per event; each time
+# multiply the histograms by _DECAY (a memory of ~20 such periods). The period
+# follows the tier, not its ghosts: more ghosts lengthen what the densities
+# see, not how slowly they learn (with the period set by blocks and ghosts
+# together, as before, more ghosts meant rarer updates).
 # Scale-free choices in the spirit of LHD's defaults, not fits to a trace.
 _MIN_PERIOD = 512
 _DECAY = 0.95
 # Ghosts kept per block of the tier (keys of victims, with class and last use):
-# they let the densities see ages past the tier's own eviction age. Eight per
-# block: the classes are split four ways by output band, and each needs the
-# returns its ghosts see (4 per block before the bands).
-GHOST_FACTOR = 8
+# they let the densities see ages past the tier's own eviction age. A life the
+# ghosts forget ends there unreused, so a short list truncates every class's
+# curve at its horizon (a return after it never counts) and biases the classes
+# whose blocks come back late. So the list is long: a ghost costs one key and
+# one int (~100 bytes) where a block holds megabytes of KV, and 64 per block
+# are under 0.1 % of the tier's memory (MAX_GHOSTS bounds the total).
+GHOST_FACTOR = 64
 MAX_GHOSTS = 1 << 20  # ~150 MB of keys at most, whatever the tier's size
 # Lives read per update at most (of each kind: cached blocks, ghosts), beyond that a strided sample.
 _ALIVE_SAMPLE = 1 << 17
 # Scale of the density given to ages past a class's last observed hit.
 _FLOOR = 1e-6
-# Pseudo-events of the pooled (all-class) histograms added to each class's.
-_PRIOR_EVENTS = 16.0
+# Strength of each class's prior, in hits: at each age a class's hit rate over
+# the ages past it leans on the pooled (all-class) rate there with the weight of
+# this many hits at that rate (a Gamma-Poisson prior): a class with many hits
+# in its tail keeps its own rate, a sparse one follows the pool.
+_PRIOR_HITS = 1.0
 # What _alive reads of each entry, in one C-level call.
 _LIFE = attrgetter("mask", "hits", "tag", "last_access")
 
@@ -247,21 +259,22 @@ class HitDensityPolicy(EvictionPolicy):
         self.updates += 1
         widths = _WIDTHS
         alive = self._alive()
-        # At least as many events as _alive just read: a small tier over a large
-        # index (a 64-block L2 above a million-block L3) would otherwise rescan
-        # the index every few lookups. Where the tier is the whole index, as in
-        # a one-tier replay, the two counts are the same.
-        scanned = len(self.index) + len(self.ghosts) if self.index is not None else 0
-        self._period = max(_MIN_PERIOD, int(sum(map(sum, alive))), scanned)
+        # One turnover of the tier between updates; the scan then reads up to
+        # GHOST_FACTOR + 1 of the tier's own lives (blocks, ghosts) per event, and at
+        # most one entry of other tiers (read and skipped): a small tier over a large
+        # index (a 64-block L2 above a million-block L3) would otherwise rescan the
+        # index every few lookups. In a one-tier replay the period is the tier's size.
+        own = self._counts[self.tier]
+        foreign = len(self.index) - own if self.index is not None else 0
+        self._period = max(_MIN_PERIOD, own, foreign + len(self.ghosts) // (GHOST_FACTOR + 1))
         ended = [[e + a for e, a in zip(ends, live)] for ends, live in zip(self.end_hist, alive)]
         pooled_hits = [sum(h[b] for h in self.hit_hist) for b in range(BINS)]
         pooled_ends = [sum(e[b] for e in ended) for b in range(BINS)]
         pooled = sum(pooled_hits) + sum(pooled_ends)
         if pooled >= 1.0:
-            w = _PRIOR_EVENTS / pooled
+            pooled_rate = self._tail_rates(pooled_hits, pooled_ends)
             for c in range(CLASSES):
-                hits = [h + w * p for h, p in zip(self.hit_hist[c], pooled_hits)]
-                ends = [e + w * p for e, p in zip(ended[c], pooled_ends)]
+                hits, ends = self.hit_hist[c], ended[c]
                 density = self.density[c]
                 hits_after = 0.0     # Σ hits at ages >= b
                 alive_after = 0.0    # lives that reach past bin b
@@ -271,7 +284,11 @@ class HitDensityPolicy(EvictionPolicy):
                     time_after += widths[b] * (alive_after + 0.5 * ending)
                     alive_after += ending
                     hits_after += hits[b]
-                    density[b] = hits_after / time_after if time_after > 0 else 0.0
+                    rate = pooled_rate[b]
+                    if rate > 0.0:  # the posterior mean rate: _PRIOR_HITS pseudo-hits at the pooled rate
+                        density[b] = (hits_after + _PRIOR_HITS) / (time_after + _PRIOR_HITS / rate)
+                    else:
+                        density[b] = hits_after / time_after if time_after > 0 else 0.0
                 # Past the last hit seen, no age tells blocks apart: order them by what
                 # their class earns overall (far below any density seen), oldest first.
                 floor = _FLOOR * density[0]
@@ -282,6 +299,19 @@ class HitDensityPolicy(EvictionPolicy):
         for hist in (*self.hit_hist, *self.end_hist):
             for b in range(BINS):
                 hist[b] *= _DECAY
+
+    @staticmethod
+    def _tail_rates(hits: list[float], ends: list[float]) -> list[float]:
+        """Per age bin b: Σ hits at ages >= b / Σ residence from bin b on (the density formula)."""
+        rates = [0.0] * BINS
+        hits_after = alive_after = time_after = 0.0
+        for b in range(BINS - 1, -1, -1):
+            ending = hits[b] + ends[b]
+            time_after += _WIDTHS[b] * (alive_after + 0.5 * ending)
+            alive_after += ending
+            hits_after += hits[b]
+            rates[b] = hits_after / time_after if time_after > 0 else 0.0
+        return rates
 
     def _benefit_at(self, depth: int) -> float:
         table = self._benefit
