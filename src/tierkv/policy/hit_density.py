@@ -82,10 +82,11 @@ _DECAY = 0.95
 # ghosts forget ends there unreused, so a short list truncates every class's
 # curve at its horizon (a return after it never counts) and biases the classes
 # whose blocks come back late. So the list is long: a ghost costs one key and
-# one int (~100 bytes) where a block holds megabytes of KV, and 64 per block
-# are under 0.1 % of the tier's memory (MAX_GHOSTS bounds the total).
+# one int in an OrderedDict (~190 bytes with a 16-byte key, measured), so 64
+# per block are ~12 KiB: 0.6 % of a 2 MiB Llama-3.1-8B block, 3 % of a 360 KiB
+# SmolLM2-135M one; MAX_GHOSTS bounds the total for tiers of small blocks.
 GHOST_FACTOR = 64
-MAX_GHOSTS = 1 << 20  # ~150 MB of keys at most, whatever the tier's size
+MAX_GHOSTS = 1 << 20  # ~200 MB of keys at most per tier, whatever its size
 # Lives read per update at most (of each kind: cached blocks, ghosts), beyond that a strided sample.
 _ALIVE_SAMPLE = 1 << 17
 # Scale of the density given to ages past a class's last observed hit.
