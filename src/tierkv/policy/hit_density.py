@@ -113,6 +113,21 @@ def _bin_widths() -> list[int]:
 _WIDTHS = _bin_widths()
 
 
+def _tails(hits: list[float], ends: list[float]) -> tuple[list[float], list[float]]:
+    """Per age bin b, from one class's (or the pool's) histograms: Σ hits at ages >= b, and the
+    residence from bin b on summed over lives (a life ending in bin b counts half its width there):
+    the numerator and denominator of the hit density at age b."""
+    hits_tail, time_tail = [0.0] * BINS, [0.0] * BINS
+    hits_after = alive_after = time_after = 0.0
+    for b in range(BINS - 1, -1, -1):
+        ending = hits[b] + ends[b]
+        time_after += _WIDTHS[b] * (alive_after + 0.5 * ending)
+        alive_after += ending
+        hits_after += hits[b]
+        hits_tail[b], time_tail[b] = hits_after, time_after
+    return hits_tail, time_tail
+
+
 def output_band(output_tokens: int) -> int:
     """The band of a finished request's output: 1 for < 8 tokens, 2 for 8-127, 3 for 128 or more."""
     if output_tokens < 0:
@@ -258,7 +273,6 @@ class HitDensityPolicy(EvictionPolicy):
         """Recompute every class's density from its histograms and the live blocks, then decay them."""
         self._events = 0
         self.updates += 1
-        widths = _WIDTHS
         alive = self._alive()
         # One turnover of the tier between updates; the scan then reads up to
         # GHOST_FACTOR + 1 of the tier's own lives (blocks, ghosts) per event, and at
@@ -273,19 +287,12 @@ class HitDensityPolicy(EvictionPolicy):
         pooled_ends = [sum(e[b] for e in ended) for b in range(BINS)]
         pooled = sum(pooled_hits) + sum(pooled_ends)
         if pooled >= 1.0:
-            pooled_rate = self._tail_rates(pooled_hits, pooled_ends)
+            pooled_rate = [h / t if t > 0 else 0.0 for h, t in zip(*_tails(pooled_hits, pooled_ends))]
             for c in range(CLASSES):
-                hits, ends = self.hit_hist[c], ended[c]
                 density = self.density[c]
-                hits_after = 0.0     # Σ hits at ages >= b
-                alive_after = 0.0    # lives that reach past bin b
-                time_after = 0.0     # residence from bin b on, summed over lives
-                for b in range(BINS - 1, -1, -1):
-                    ending = hits[b] + ends[b]
-                    time_after += widths[b] * (alive_after + 0.5 * ending)
-                    alive_after += ending
-                    hits_after += hits[b]
-                    rate = pooled_rate[b]
+                hits_tail, time_tail = _tails(self.hit_hist[c], ended[c])
+                for b in range(BINS):
+                    hits_after, time_after, rate = hits_tail[b], time_tail[b], pooled_rate[b]
                     if rate > 0.0:  # the posterior mean rate: _PRIOR_HITS pseudo-hits at the pooled rate
                         density[b] = (hits_after + _PRIOR_HITS) / (time_after + _PRIOR_HITS / rate)
                     else:
@@ -300,19 +307,6 @@ class HitDensityPolicy(EvictionPolicy):
         for hist in (*self.hit_hist, *self.end_hist):
             for b in range(BINS):
                 hist[b] *= _DECAY
-
-    @staticmethod
-    def _tail_rates(hits: list[float], ends: list[float]) -> list[float]:
-        """Per age bin b: Σ hits at ages >= b / Σ residence from bin b on (the density formula)."""
-        rates = [0.0] * BINS
-        hits_after = alive_after = time_after = 0.0
-        for b in range(BINS - 1, -1, -1):
-            ending = hits[b] + ends[b]
-            time_after += _WIDTHS[b] * (alive_after + 0.5 * ending)
-            alive_after += ending
-            hits_after += hits[b]
-            rates[b] = hits_after / time_after if time_after > 0 else 0.0
-        return rates
 
     def _benefit_at(self, depth: int) -> float:
         table = self._benefit
