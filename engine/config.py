@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -26,7 +28,9 @@ class EngineConfig:
     budget then runs alone). ``max_model_len`` 0 means the model's
     ``max_position_embeddings``. ``num_threads`` 0 leaves torch's setting alone.
     ``load_wait_s`` bounds one wait for a load when nothing else can run (the
-    engine then polls again).
+    engine then polls again). ``hf_overrides`` replaces top-level keys of the
+    checkpoint's ``config.json`` (e.g. ``{"rope_theta": 1e6}``), as vLLM's
+    option of that name does; it enters the model identity.
     """
 
     num_blocks: int = 1024
@@ -39,6 +43,7 @@ class EngineConfig:
     device: str = "auto"
     num_threads: int = 0
     load_wait_s: float = 30.0
+    hf_overrides: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         _int(self.num_blocks, "num_blocks", 1)
@@ -53,5 +58,8 @@ class EngineConfig:
             raise ValueError(f"engine.dtype: expected one of {list(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.device, str) or self.device.split(":")[0] not in DEVICES:
             raise ValueError(f"engine.device: expected one of {list(DEVICES)} (or 'cuda:N'), got {self.device!r}")
+        if self.hf_overrides is not None and (not isinstance(self.hf_overrides, Mapping)
+                                              or not all(isinstance(k, str) for k in self.hf_overrides)):
+            raise ValueError(f"engine.hf_overrides: expected a table of config.json keys, got {self.hf_overrides!r}")
         if isinstance(self.load_wait_s, bool) or not isinstance(self.load_wait_s, (int, float)) or self.load_wait_s <= 0:
             raise ValueError(f"engine.load_wait_s: expected a number of seconds > 0, got {self.load_wait_s!r}")

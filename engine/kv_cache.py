@@ -33,7 +33,7 @@ class KVCacheManager:
     def _extend_keys(self, seq: Sequence) -> None:
         full = seq.num_tokens // self.block_size
         if len(seq.keys) < full:
-            seed = self.store.seed(seq.namespace)
+            seed = self.store.seed(seq.namespace, seq.extra_keys)
             parent = seq.keys[-1] if seq.keys else None
             seq.keys += self.store.hasher.hash_blocks(seq.token_ids, self.block_size, seed,
                                                       len(seq.keys), parent)

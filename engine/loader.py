@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
-import xxhash
+
+from tierkv.identity import ModelIdentity, weights_digest
 
 from tierkv.engine.models.llama import LlamaConfig, LlamaForCausalLM
 
@@ -29,11 +32,20 @@ _PLAIN = ("self_attn.o_proj.weight", "mlp.down_proj.weight", "input_layernorm.we
           "post_attention_layernorm.weight")
 
 
-def read_config(model_dir: str | Path) -> LlamaConfig:
+def read_config(model_dir: str | Path, hf_overrides: Mapping[str, Any] | None = None) -> LlamaConfig:
+    """The model's config: ``config.json`` with ``hf_overrides`` (top-level keys replaced) applied."""
+    return LlamaConfig.from_hf(effective_config(model_dir, hf_overrides))
+
+
+def effective_config(model_dir: str | Path, hf_overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``config.json`` as a dict, with ``hf_overrides``' top-level keys replacing its own."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"model_dir: no config.json in {model_dir}")
-    return LlamaConfig.from_hf(json.loads(path.read_text()))
+    raw = json.loads(path.read_text())
+    if hf_overrides:
+        raw.update(hf_overrides)
+    return raw
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:
@@ -49,26 +61,29 @@ def weight_files(model_dir: str | Path) -> list[Path]:
     return files
 
 
-def model_fingerprint(model_dir: str | Path) -> str:
-    """16 hex digits naming these weights: config.json and the head of every shard.
+def engine_identity(model_dir: str | Path, dtype: str, kv_dtype: str,
+                    hf_overrides: Mapping[str, Any] | None = None) -> ModelIdentity:
+    """What fixes the KV this engine computes from ``model_dir``: the full content of every weight
+    file (remembered per file by stat, ``identity.file_digests``), the effective config
+    (``config.json`` + ``hf_overrides``: rope, head sizes, norms, sliding window...), the weight and
+    KV dtypes, and the runtime (another runtime's kernels round differently)."""
+    return ModelIdentity.of({
+        "weights": weights_digest(weight_files(model_dir)),
+        "config": effective_config(model_dir, hf_overrides),
+        "hf_overrides": dict(hf_overrides or {}),
+        "dtype": dtype,
+        "kv_dtype": kv_dtype,
+        "runtime": "tierkv.engine",
+    })
 
-    Used as the store's model id when none is configured, so two checkpoints
-    never share cached blocks and a restarted process finds its own.
-    """
-    h = xxhash.xxh3_64()
-    h.update((Path(model_dir) / "config.json").read_bytes())
-    for f in weight_files(model_dir):
-        with open(f, "rb") as fh:
-            h.update(fh.read(1 << 20))
-        h.update(str(f.stat().st_size).encode())
-    return h.hexdigest()
 
-
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> LlamaForCausalLM:
-    """Build the model from ``model_dir`` in ``dtype`` on ``device``, in eval mode, no grads."""
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device,
+               hf_overrides: Mapping[str, Any] | None = None) -> LlamaForCausalLM:
+    """Build the model from ``model_dir`` (config overridden by ``hf_overrides``) in ``dtype`` on
+    ``device``, in eval mode, no grads."""
     from safetensors.torch import load_file
 
-    cfg = read_config(model_dir)
+    cfg = read_config(model_dir, hf_overrides)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg)
     tensors: dict[str, torch.Tensor] = {}

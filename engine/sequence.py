@@ -48,12 +48,13 @@ class Sequence:
     """
 
     def __init__(self, prompt_token_ids: list[int], params: SamplingParams, namespace: str | None,
-                 max_model_len: int) -> None:
+                 max_model_len: int, extra_keys: tuple[str, ...] = ()) -> None:
         self.request_id = next(_ids)
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.params = params
         self.namespace = namespace
+        self.extra_keys = extra_keys  # seed parts beyond the namespace (``salt:<cache_salt>``)
         self.max_model_len = max_model_len
         self.state = SeqState.WAITING
         self.finish_reason: str | None = None

@@ -8,9 +8,11 @@ is what fails if it breaks.
 from __future__ import annotations
 
 import hashlib
+import json
 
 import pytest
 import torch
+import xxhash
 
 from _kv import block_for, prompt, same_bytes, save_prompt
 from tierkv.config import HashingConfig, PolicyConfig
@@ -28,7 +30,12 @@ def reference_chain(algorithm: str, key: str, store, tokens: list[int]) -> list[
         return hashlib.blake2b(data, digest_size=16, key=bytes.fromhex(key)).digest()
 
     cfg = store.config
-    parts = ("tierkv-v1", cfg.model_id, cfg.model_revision, store.layout.fingerprint, cfg.namespace)
+    # The identity a store declares from its config alone: these three fields, as sorted-key JSON.
+    declared = json.dumps({"model_id": cfg.model_id, "model_revision": cfg.model_revision, "source": "declared"},
+                          sort_keys=True, separators=(",", ":"))
+    identity = xxhash.xxh3_128_hexdigest(declared.encode())
+    parts = ("tierkv-v1", cfg.model_id, cfg.model_revision, store.layout.fingerprint, cfg.namespace,
+             "identity:" + identity)
     prev = digest("\x1f".join(f"{len(p)}:{p}" for p in parts).encode())
     out, bs = [], store.block_size
     for i in range(len(tokens) // bs):

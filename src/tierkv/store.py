@@ -14,6 +14,7 @@ thread, their results are committed under it; loads are ``reads.py``.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 
@@ -23,6 +24,7 @@ from tierkv.config import StoreConfig
 from tierkv.cost import CostModel, calibrate
 from tierkv.events import TierEvents, TierListener
 from tierkv.hashing import BlockHash, BlockHasher
+from tierkv.identity import ModelIdentity, recorded
 from tierkv.index import Entry, PrefixIndex, Tier
 from tierkv.layout import KVLayout
 from tierkv.metrics import TIER_NAMES, Metrics
@@ -37,21 +39,27 @@ from tierkv.tiers.slots import OutOfBlocks
 from tierkv.transfer import LoadHandle, TransferEngine
 
 __all__ = ["Match", "OutOfBlocks", "TierKVStore"]
+log = logging.getLogger("tierkv.store")
 _STAGE_PER_EVICTION = 2  # outbox slots one L1 eviction may take (L2 victim to L3, L3 victim to L4)
 
 
 class TierKVStore:
     def __init__(self, config: StoreConfig | None = None, layout: KVLayout | None = None, *,
-                 l1_blocks: int | None = None) -> None:
+                 l1_blocks: int | None = None, identity: ModelIdentity | None = None) -> None:
+        """Open the configured tiers for ``layout``. ``identity`` (``identity.py``) names what fixes
+        the KV of a token sequence and roots every key; None means the caller vouches for
+        ``config.model_id`` / ``model_revision`` alone (``ModelIdentity.declared``). The engine and
+        the vLLM connector always pass the identity they computed."""
         if layout is None:
             raise ValueError("layout: a KVLayout is required")
         self.config = cfg = config or StoreConfig()
+        self.identity = identity or ModelIdentity.declared(cfg.model_id, cfg.model_revision)
         self.layout, self.block_size = layout, layout.block_size
         self.metrics = Metrics()
         self.hasher = BlockHasher(cfg.hashing.algorithm, bytes.fromhex(cfg.hashing.key) if cfg.hashing.key else None)
         self._seeds: dict[tuple, bytes] = {}
         self._lock = threading.RLock()
-        self.tiers, self.outbox = open_tiers(cfg, layout, l1_blocks, self._on_failure)
+        self.tiers, self.outbox = open_tiers(cfg, layout, l1_blocks, self._on_failure, self.identity)
         device = self.l1.device if self.l1 is not None else torch.device("cpu")
         measured = calibrate(layout.block_bytes, layout.block_size, device=str(device),
                              disk_dir=cfg.l3.path if Tier.L3 in self.tiers else None) if cfg.cost.calibrate else None
@@ -73,6 +81,7 @@ class TierKVStore:
                                self._on_failure)
         if Tier.L3 in self.tiers:
             self._rebuild_from_l3()
+            self._say_foreign_identities()
 
     l1 = property(lambda self: self.tiers.get(Tier.L1), doc="The L1 tier (DeviceTier) or None.")
     l2 = property(lambda self: self.tiers.get(Tier.L2), doc="The L2 tier (HostTier) or None.")
@@ -103,15 +112,37 @@ class TierKVStore:
             for rec in records:
                 self.index.add(rec.key, rec.parent, rec.depth, Tier.L3)
 
+    def _say_foreign_identities(self) -> None:
+        """Once per open: an L3 that other model identities wrote finds none of their blocks under
+        this one's keys; say so, naming the fields that differ from the one seen last."""
+        others = [(i, t) for i, t in self.recorded_identities() if i.digest != self.identity.digest]
+        if others:
+            ident, seen = others[0]
+            log.warning("tierkv l3 %s: blocks written under %d other model identit%s are not found under "
+                        "this one (%s); the last one differs in: %s", self.config.l3.path, len(others),
+                        "y" if len(others) == 1 else "ies", self.identity.digest[:12],
+                        "; ".join(self.identity.diff(ident)))
+
+    def recorded_identities(self) -> list[tuple[ModelIdentity, float]]:
+        """(identity, last opened) of every model identity L3 records, this one included, newest first."""
+        l3 = self.tiers.get(Tier.L3)
+        return recorded(l3.meta()) if l3 is not None else []
+
     # -- keys -----------------------------------------------------------------
 
-    def seed(self, namespace: str | None = None, extra_keys: Sequence[str] = ()) -> bytes:
+    def seed(self, namespace: str | None = None, extra_keys: Sequence[str] = (),
+             identity: ModelIdentity | None = None) -> bytes:
+        """The root of every chain of this store's identity (or ``identity``, for ``why``), layout,
+        namespace (``config.namespace`` when None) and per-request extra keys (LoRA, cache salt)."""
+        ident = identity or self.identity
         ns = self.config.namespace if namespace is None else namespace
-        k = (ns, tuple(extra_keys))
+        k = (ident.digest, ns, tuple(extra_keys))
         s = self._seeds.get(k)
         if s is None:
-            s = self._seeds[k] = self.hasher.seed(self.config.model_id, self.config.model_revision,
-                                                  self.layout.fingerprint, ns, extra_keys)
+            s = self.hasher.seed(ident.get("model_id", ""), ident.get("model_revision", ""),
+                                 self.layout.fingerprint, ns, ("identity:" + ident.digest, *extra_keys))
+            if identity is None:
+                self._seeds[k] = s
         return s
 
     def hash(self, token_ids: Sequence[int], namespace: str | None = None,

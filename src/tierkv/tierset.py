@@ -6,8 +6,11 @@ facade only wires them together (docs/design.md §5).
 
 from __future__ import annotations
 
+import time
+
 from tierkv.config import StoreConfig
 from tierkv.cost import CostModel
+from tierkv.identity import ModelIdentity, meta_records
 from tierkv.index import LOCAL_TIERS, Tier
 from tierkv.layout import KVLayout
 from tierkv.outbox import Outbox
@@ -20,8 +23,9 @@ from tierkv.tiers.remote import open_remote, trailer_room
 
 
 def open_tiers(cfg: StoreConfig, layout: KVLayout, l1_blocks: int | None,
-               on_failure: FailureHook) -> tuple[dict[int, BlockTier], Outbox | None]:
-    """The configured tiers (a tier of no blocks is absent) and, when L3 or L4 exists, the outbox."""
+               on_failure: FailureHook, identity: ModelIdentity | None = None) -> tuple[dict[int, BlockTier], Outbox | None]:
+    """The configured tiers (a tier of no blocks is absent) and, when L3 or L4 exists, the outbox.
+    L3 records ``identity`` (``identity.meta_records``) each time it is opened."""
     tiers: dict[int, BlockTier] = {}
     room = trailer_room(cfg.l4.url)  # with a Mooncake L4, CPU slots keep room for the value trailer
     n1 = cfg.l1.num_blocks if l1_blocks is None else l1_blocks
@@ -31,6 +35,8 @@ def open_tiers(cfg: StoreConfig, layout: KVLayout, l1_blocks: int | None,
         tiers[Tier.L2] = HostTier(layout, cfg.l2.capacity // layout.block_bytes, cfg.l2.shared_name, cfg.l2.pin)
     if cfg.l3_enabled and cfg.l3.capacity // layout.block_bytes > 0:
         meta = {"model_id": cfg.model_id, "model_revision": cfg.model_revision}
+        if identity is not None:
+            meta.update(meta_records(identity, time.time()))
         tiers[Tier.L3] = DiskTier(cfg.l3.path, layout, cfg.l3.capacity // layout.block_bytes, meta,
                                   cfg.l3.direct_io, on_failure, read_depth=cfg.l3.read_depth)
     # Demoted blocks wait in the outbox for the IO thread: registered with the pool's client.

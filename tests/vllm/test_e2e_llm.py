@@ -62,10 +62,12 @@ def _tierkv_shm() -> set[str]:
 def _chain(l3, tokens: list[int]) -> list[bytes]:
     """tierkv's chained keys of ``tokens``' full blocks, as the connector computed them for the open L3 ``l3``."""
     from tierkv.hashing import BlockHasher
+    from tierkv.identity import recorded
 
-    layout, meta = l3.layout, l3.meta()
+    layout, (ident, _) = l3.layout, recorded(l3.meta())[0]
     hasher = BlockHasher("xxh3_128", None)
-    seed = hasher.seed(meta["model_id"], meta["model_revision"], layout.fingerprint, "", ())
+    seed = hasher.seed(ident.get("model_id", ""), ident.get("model_revision", ""), layout.fingerprint, "",
+                       ("identity:" + ident.digest,))
     return hasher.hash_blocks(tokens, layout.block_size, seed)
 
 

@@ -34,6 +34,7 @@ from pathlib import Path
 import lmdb
 import torch
 
+from tierkv.identity import IDENTITY_PREFIX
 from tierkv.layout import KVLayout
 from tierkv.pacing import UNPACED, Pacer
 from tierkv.tiers.base import FailureHook, Lineage, as_bytes, checksum, round_up
@@ -141,8 +142,8 @@ class DiskTier:
             txn.put(b"layout_fingerprint", self.layout.fingerprint.encode(), db=self._meta)
             txn.put(b"layout", repr(self.layout.to_dict()).encode(), db=self._meta)
             txn.put(b"capacity", str(capacity).encode(), db=self._meta)
-            for k, v in meta.items():
-                if txn.get(k.encode(), db=self._meta) is None:
+            for k, v in meta.items():  # identity records say who wrote here: updated each open
+                if k.startswith(IDENTITY_PREFIX) or txn.get(k.encode(), db=self._meta) is None:
                     txn.put(k.encode(), str(v).encode(), db=self._meta)
         return capacity
 
@@ -211,6 +212,8 @@ class DiskTier:
             self._env.close()
 
     def meta(self) -> dict[str, str]:
+        """Every meta record: layout, capacity, the first model id, and one ``identity:<digest>``
+        record per model identity that opened this directory (``identity.recorded``)."""
         with self._env.begin() as txn:
             return {bytes(k).decode(): bytes(v).decode() for k, v in txn.cursor(db=self._meta)}
 
