@@ -76,8 +76,13 @@ class VllmSettings:
 
 @dataclass(frozen=True)
 class ConnectorConfig:
+    """``model_id_declared``: the user set ``model_id`` (extra config, TOML or ``TIERKV_MODEL_ID``)
+    rather than it defaulting to vLLM's model name; only a declared one may stand in for weights
+    whose files cannot be found (``identity.vllm_identity``)."""
+
     store: StoreConfig
     vllm: VllmSettings
+    model_id_declared: bool = False
 
 
 def load_config(extra: Mapping[str, Any] | None, model_id: str, model_revision: str | None,
@@ -91,10 +96,11 @@ def load_config(extra: Mapping[str, Any] | None, model_id: str, model_revision: 
         data["model_revision"] = model_revision
     extra = dict(extra or {})
     path = extra.pop("config_file", None)
-    if path is not None:
-        merge_settings(data, _read_toml(path))
-    merge_settings(data, extra)
-    merge_settings(data, env_overrides({k: v for k, v in env.items() if not k.startswith(_ENV_PREFIX)}))
+    layers = [_read_toml(path)] if path is not None else []
+    layers += [extra, env_overrides({k: v for k, v in env.items() if not k.startswith(_ENV_PREFIX)})]
+    for layer in layers:
+        merge_settings(data, layer)
+    declared = any("model_id" in layer for layer in layers)
     vllm = data.pop("vllm", {})
     if not isinstance(vllm, Mapping):
         raise ValueError(f"vllm: expected a table of settings, got {vllm!r}")
@@ -113,7 +119,7 @@ def load_config(extra: Mapping[str, Any] | None, model_id: str, model_revision: 
             raise ValueError(f"vllm.{key}: unknown setting; expected one of {sorted(allowed)}")
     store = StoreConfig.from_dict(data)
     store = replace(store, l1=L1Config(num_blocks=0, device=store.l1.device))
-    return ConnectorConfig(store, VllmSettings(**vllm))
+    return ConnectorConfig(store, VllmSettings(**vllm), declared)
 
 
 def _read_toml(path: Any) -> dict[str, Any]:

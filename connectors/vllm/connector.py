@@ -17,11 +17,14 @@ recomputed rather than failing its request.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
+from tierkv.config import L4Config, StoreConfig
 from tierkv.connectors.vllm.config import load_config
+from tierkv.connectors.vllm.identity import vllm_identity
 from tierkv.connectors.vllm.layout import layout_from_kv_cache_config
 from tierkv.connectors.vllm.metadata import TierKVMetadata
 from tierkv.connectors.vllm.scheduler import ConnectorScheduler
@@ -30,6 +33,17 @@ from tierkv.connectors.vllm.stats import TierKVPromMetrics, TierKVStats
 from tierkv.connectors.vllm.worker import ConnectorWorker
 
 log = logging.getLogger("tierkv.connectors.vllm")
+
+
+def local_only(config: StoreConfig, reason: str) -> StoreConfig:
+    """``config`` without the tiers another process could read (L3, L4, a shared L2): used when the
+    model's identity cannot be known, so no KV is ever found under a key weaker than its weights."""
+    log.warning("tierkv: the model's weights cannot be named by content (%s): L3, L4 and a shared "
+                "L2 are off for this engine, a private L2 stays. Point vLLM at a local checkpoint, "
+                "or set model_id in kv_connector_extra_config to vouch that the name fixes the "
+                "weights.", reason)
+    return replace(config, l3_enabled=False, l4=L4Config(),
+                   l2=replace(config.l2, shared_name="") if config.l2.shared_name else config.l2)
 
 
 class TierKVConnector(KVConnectorBase_V1):
@@ -44,6 +58,10 @@ class TierKVConnector(KVConnectorBase_V1):
                 f"pipeline_parallel_size=1 (a block holds every layer and head), got "
                 f"{par.tensor_parallel_size} and {par.pipeline_parallel_size}"
             )
+        for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
+            if getattr(par, name, 1) != 1:
+                raise ValueError(f"parallel_config.{name}: tierkv's connector supports 1 (context "
+                                 f"parallelism splits a block's tokens across ranks), got {getattr(par, name)}")
         xfer = vllm_config.kv_transfer_config
         if xfer.kv_load_failure_policy != "recompute":
             log.warning("tierkv: setting kv_load_failure_policy=recompute (was %r): a cache miss or "
@@ -53,12 +71,15 @@ class TierKVConnector(KVConnectorBase_V1):
         cfg = load_config(xfer.kv_connector_extra_config, model.model, getattr(model, "revision", None))
         layout, layer_names = layout_from_kv_cache_config(kv_cache_config)
         self.settings = cfg.vllm
+        self.identity = vllm_identity(vllm_config, cfg.store.model_id if cfg.model_id_declared else None)
+        store_cfg = cfg.store if self.identity.known else local_only(cfg.store, self.identity.reason)
         is_scheduler = role == KVConnectorRole.SCHEDULER
-        self.store = acquire_store(cfg.store, layout, "scheduler" if is_scheduler else "worker")
+        self.store = acquire_store(store_cfg, layout, "scheduler" if is_scheduler else "worker",
+                                   self.identity.identity)
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         if is_scheduler:
-            self._scheduler = ConnectorScheduler(self.store, cfg.vllm, cfg.store)
+            self._scheduler = ConnectorScheduler(self.store, cfg.vllm, store_cfg)
         else:
             self._worker = ConnectorWorker(self.store, cfg.vllm, layer_names)
 

@@ -10,8 +10,9 @@ promise the worker cannot keep (a block gone meanwhile) costs a recompute,
 never a wrong block: the worker looks every block up again and reports what
 it could not load.
 
-Per request it keeps tierkv's chain of block keys (from the token ids, so
-vLLM and tierkv's own engine share blocks), the store match it promised to
+Per request it keeps tierkv's chain of block keys (from the token ids, rooted
+in the engine's model identity — ``identity.py`` — plus the request's LoRA
+adapter by name and content and its ``cache_salt``), the store match it promised to
 vLLM (pinned until the worker reports the load done), how far the chain is
 known to be stored, and how many of its saves are still running. KV events:
 ``BlockStored`` when a save lands, ``BlockRemoved`` when a block this side
@@ -24,6 +25,9 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -32,6 +36,7 @@ from tierkv.connectors.vllm.config import VllmSettings
 from tierkv.config import StoreConfig
 from tierkv.connectors.vllm.metadata import LoadSpec, SaveSpec, TierKVMetadata, TierKVWorkerMetadata
 from tierkv.connectors.vllm.stats import TierKVStats
+from tierkv.identity import file_digests, salt_keys
 from tierkv.index import Tier
 from tierkv.store import Match, TierKVStore
 
@@ -44,6 +49,7 @@ _SOURCES = {Tier.L1: CacheHitSource.HOST, Tier.L2: CacheHitSource.HOST, Tier.L3:
 @dataclass
 class _Request:
     request: object
+    seed: bytes = b""
     keys: list[bytes] = field(default_factory=list)
     match: Match | None = None
     match_start: int = 0
@@ -72,6 +78,7 @@ class ConnectorScheduler:
         self._held_tier = Tier.L2 if config.l2.capacity >= bb else Tier.L3 if config.l3_enabled else Tier.L4
         self._stats = TierKVStats()
         self._requests: dict[str, _Request] = {}
+        self._lora_keys: dict[str, str | None] = {}  # adapter path -> content key (None: no files)
         self._live: set[str] = set()  # every request vLLM added and has not finished (cacheable or not)
         self._loads: list[LoadSpec] = []
         self._report_when_saved: set[str] = set()
@@ -89,21 +96,39 @@ class ConnectorScheduler:
 
     def on_new_request(self, request) -> None:
         self._live.add(request.request_id)
-        if _cacheable(request):
-            self._requests[request.request_id] = _Request(request)
+        if not _cacheable(request):
+            return
+        extra = salt_keys(request.cache_salt)
+        if request.lora_request is not None:
+            lora = self._lora_key(request.lora_request)
+            if lora is None:
+                return  # the adapter's content cannot be named: never a weaker key, no caching
+            extra = (lora, *extra)
+        self._requests[request.request_id] = _Request(request, seed=self.store.seed(None, extra))
+
+    def _lora_key(self, lora) -> str | None:
+        """The seed's extra key for a LoRA adapter: its name and the content of every file under its
+        path (hashed once per path and stat, ``identity.file_digests``); None when it has no local files."""
+        path = getattr(lora, "lora_path", None) or getattr(lora, "path", None) or ""
+        if path not in self._lora_keys:
+            files = sorted(p for p in Path(path).rglob("*") if p.is_file()) if path and Path(path).is_dir() else []
+            if not files:
+                log.warning("tierkv: LoRA %r has no local files at %r: its requests are not cached",
+                            lora.lora_name, path)
+                self._lora_keys[path] = None
+            else:
+                digests = sorted(d for d, _ in file_digests(files).values())
+                self._lora_keys[path] = "lora-content:" + xxhash.xxh3_128_hexdigest("|".join(digests).encode())
+        content = self._lora_keys[path]
+        return None if content is None else f"lora:{lora.lora_name}|{content}"
 
     def _keys(self, st: _Request, num_blocks: int) -> list[bytes]:
         """The request's chain of block keys, extended to ``num_blocks`` full blocks."""
         have = len(st.keys)
         if have < num_blocks:
             req = st.request
-            extra = []
-            if req.lora_request is not None:
-                extra.append(f"lora:{req.lora_request.lora_name}")
-            if req.cache_salt:
-                extra.append(f"salt:{req.cache_salt}")
             tokens = req.all_token_ids[: num_blocks * self.block_size]
-            seed = self.store.seed(None, extra)
+            seed = st.seed
             st.keys.extend(self.store.hasher.hash_blocks(
                 tokens, self.block_size, seed, start=have, parent=st.keys[-1] if have else None))
         return st.keys

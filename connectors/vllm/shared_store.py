@@ -26,12 +26,13 @@ import threading
 from dataclasses import replace
 
 from tierkv.config import L2Config, StoreConfig
+from tierkv.identity import ModelIdentity
 from tierkv.layout import KVLayout
 from tierkv.store import TierKVStore
 
 log = logging.getLogger("tierkv.connectors.vllm")
 _lock = threading.Lock()
-_stores: dict[tuple[StoreConfig, KVLayout], list] = {}  # key -> [store, users, is_view]
+_stores: dict[tuple[StoreConfig, KVLayout, str], list] = {}  # key -> [store, users, is_view]
 
 
 def view_config(config: StoreConfig) -> StoreConfig:
@@ -41,15 +42,16 @@ def view_config(config: StoreConfig) -> StoreConfig:
     return replace(config, l2=L2Config(capacity=0, shared_name="", pin=False))
 
 
-def acquire_store(config: StoreConfig, layout: KVLayout, role: str) -> TierKVStore:
-    """This process's store for ``(config, layout)``; ``role`` "worker" or "scheduler" says what
-    to open when none is open yet. Pair with ``release_store``."""
-    key = (config, layout)
+def acquire_store(config: StoreConfig, layout: KVLayout, role: str, identity: ModelIdentity) -> TierKVStore:
+    """This process's store for ``(config, layout, identity)``; ``role`` "worker" or "scheduler"
+    says what to open when none is open yet. Pair with ``release_store``."""
+    key = (config, layout, identity.digest)
     with _lock:
         entry = _stores.get(key)
         if entry is None:
             view = role == "scheduler"
-            entry = _stores[key] = [TierKVStore(view_config(config) if view else config, layout), 0, view]
+            entry = _stores[key] = [TierKVStore(view_config(config) if view else config, layout,
+                                                   identity=identity), 0, view]
         elif role == "worker" and entry[2]:
             log.warning("tierkv: the worker shares the scheduler's view of the store (it started "
                         "first in this process): saves go straight to L3, without L2")

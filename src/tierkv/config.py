@@ -346,7 +346,7 @@ def _coerce(raw: str, current: Any) -> Any:
 # cache, the test suite's strict mode and its shared/ path); TIERKV_VLLM_* belong to the vLLM
 # connector's config.
 _NOT_STORE_VARS = ("TIERKV_CACHE_DIR", "TIERKV_LOG_LEVEL", "TIERKV_CONFIG", "TIERKV_KERNELS", "TIERKV_NATIVE",
-                   "TIERKV_MODELS_DIR", "TIERKV_REQUIRE_SERVERS", "TIERKV_SHARED")
+                   "TIERKV_MODELS_DIR", "TIERKV_REQUIRE_SERVERS", "TIERKV_SHARED", "TIERKV_DIGEST_CACHE")
 
 
 def env_overrides(env: Mapping[str, str]) -> dict[str, Any]:

@@ -172,6 +172,30 @@ def file_digests(paths: Iterable[str | os.PathLike], cache: Path | None = None) 
     return out
 
 
+def checkpoint_files(where: str | os.PathLike) -> list[Path]:
+    """The files a loader reads the weights from, for a checkpoint directory or file: safetensors
+    shards (from ``model.safetensors.index.json`` when there is one, else every ``*.safetensors``),
+    else PyTorch shards (``pytorch_model.bin.index.json``, ``*.bin``, ``*.pt``), else one ``*.gguf``.
+    A path to a single file is that file. Raises FileNotFoundError naming the directory."""
+    root = Path(where)
+    if root.is_file():
+        return [root]
+    for index_name, pattern in (("model.safetensors.index.json", "*.safetensors"),
+                                ("pytorch_model.bin.index.json", "*.bin")):
+        index = root / index_name
+        if index.is_file():
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            return [root / n for n in names]
+        found = sorted(root.glob(pattern))
+        if found:
+            return found
+    for pattern in ("*.pt", "*.gguf"):
+        found = sorted(root.glob(pattern))
+        if found:
+            return found
+    raise FileNotFoundError(f"model: no checkpoint files (*.safetensors, *.bin, *.pt, *.gguf) in {where}")
+
+
 def weights_digest(paths: Iterable[str | os.PathLike], cache: Path | None = None) -> str:
     """One digest over the full contents of ``paths`` (order-independent, names not included, so a
     checkpoint copied elsewhere keeps its identity)."""

@@ -229,8 +229,13 @@ def no_pins(e: Engine) -> bool:
 
 
 def make_engine(extra: dict, num_blocks: int = 64, max_batched: int = 512) -> Engine:
-    """A real Scheduler with TierKVConnector on both sides and vLLM-allocated CPU caches."""
+    """A real Scheduler with TierKVConnector on both sides and vLLM-allocated CPU caches.
+
+    ``tiny-llama`` has a config and no weights (the harness writes K/V itself), so its identity
+    cannot be named by content: the harness declares ``model_id`` (as a user vouching for a name
+    does), unless ``extra`` sets one."""
     init_none_hash(sha256)
+    extra = {"model_id": "tiny-llama-harness", **extra}
     cfg = VllmConfig(
         model_config=ModelConfig(model=str(MODEL_DIR), dtype="float16", seed=42, skip_tokenizer_init=True),
         scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=max_batched, max_model_len=4096,

@@ -2,8 +2,8 @@
 
 Keys: vLLM separates prefix caches by LoRA adapter and by ``cache_salt`` (a tenant's
 secret); tierkv's chains must too, or one tenant would load another's KV. The adapter
-and the salt enter the chain's seed (docs/design.md §3, §13) as ``lora:<name>`` and
-``salt:<salt>``, so tierkv's own engine computes the same keys.
+(by name and by the content of its files) and the salt enter the chain's seed
+(docs/design.md §3, §13); an adapter with no local files is never cached.
 
 Refusals: tensor or pipeline parallelism (a block holds every layer and head), more
 than one KV cache group, and requests whose KV is not a function of their token ids
@@ -61,24 +61,45 @@ def stored_chain(e, tokens: list[int], extra: list[str]) -> list[bytes]:
     return keys
 
 
-LORA_A, LORA_B = LoRARequest("adapter-a", 1, "/unused/a"), LoRARequest("adapter-b", 2, "/unused/b")
+def adapter(root, name: str, lora_id: int, weights: bytes) -> LoRARequest:
+    """A LoRA adapter directory as PEFT writes one (config + weights file) and its request."""
+    path = root / f"{name}-{lora_id}"
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "adapter_config.json").write_text('{"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"]}')
+    (path / "adapter_model.safetensors").write_bytes(weights)
+    return LoRARequest(name, lora_id, str(path))
 
 
-@pytest.mark.parametrize("extra,kw", [
-    (["salt:tenant-1"], {"cache_salt": "tenant-1"}),
-    (["lora:adapter-a"], {"lora_request": LORA_A}),
-    (["lora:adapter-a", "salt:tenant-1"], {"lora_request": LORA_A, "cache_salt": "tenant-1"}),
-], ids=["salt", "lora", "lora+salt"])
-def test_only_the_same_adapter_and_salt_hit_a_chain(engine, extra, kw):
+@pytest.mark.parametrize("case", ["salt", "lora", "lora+salt"])
+def test_only_the_same_adapter_and_salt_hit_a_chain(engine, tmp_path, case):
     e = engine()
+    lora_a = adapter(tmp_path, "adapter-a", 1, b"a" * 64)
+    lora_b = adapter(tmp_path, "adapter-b", 2, b"b" * 64)
+    same_name = adapter(tmp_path, "adapter-a", 3, b"c" * 64)  # another adapter under the same name
+    kw = {"salt": {"cache_salt": "tenant-1"}, "lora": {"lora_request": lora_a},
+          "lora+salt": {"lora_request": lora_a, "cache_salt": "tenant-1"}}[case]
+    extra = []
+    if "lora_request" in kw:
+        extra.append(e.connector._scheduler._lora_key(lora_a))
+    if "cache_salt" in kw:
+        extra.append("salt:tenant-1")
     p = prompt(71, 3 * BLOCK + 5)
     stored_chain(e, p, extra)
     assert matched(e, request("same", p, **kw)) == 3 * BLOCK
-    others = [{}, {"cache_salt": "tenant-2"}, {"lora_request": LORA_B},
-              {**kw, "cache_salt": "tenant-2"}, {**kw, "lora_request": LORA_B}]
+    others = [{}, {"cache_salt": "tenant-2"}, {"lora_request": lora_b}, {"lora_request": same_name},
+              {**kw, "cache_salt": "tenant-2"}, {**kw, "lora_request": lora_b}, {**kw, "lora_request": same_name}]
     for i, other in enumerate(o for o in others if o != kw):
         assert matched(e, request(f"other{i}", p, **other)) == 0, other
     assert e.store.lookup_keys(e.store.hash(p), pin=False).num_blocks == 0  # unsalted keys differ too
+
+
+def test_an_adapter_without_local_files_is_never_cached(engine):
+    e = engine()
+    p = prompt(75, 3 * BLOCK + 5)
+    ghost = LoRARequest("remote-adapter", 9, "/nonexistent/adapter")
+    assert e.connector._scheduler._lora_key(ghost) is None
+    stored_chain(e, p, ["lora:remote-adapter"])  # what a name-only key would have found
+    assert matched(e, request("ghost", p, lora_request=ghost)) == 0
 
 
 def test_a_salted_request_saves_under_its_salt_and_only_that_salt_loads_it(engine):
@@ -155,6 +176,37 @@ def test_tensor_or_pipeline_parallel_is_refused_naming_the_sizes(parallel, role)
     with pytest.raises(ValueError, match=rf"^parallel_config: .*tensor_parallel_size=1 and pipeline_parallel_size=1"
                                          rf".* got {tp} and {pp}$"):
         TierKVConnector(cfg, role, kv_cache_config)
+
+
+@pytest.mark.parametrize("name", ["prefill_context_parallel_size", "decode_context_parallel_size"])
+def test_context_parallel_is_refused_naming_the_field(name):
+    cfg, spec = vllm_config()
+    kv_cache_config = get_kv_cache_config_from_groups(cfg, [KVCacheGroupSpec(LAYERS, spec)], 1 << 30)
+    setattr(cfg.parallel_config, name, 2)
+    with pytest.raises(ValueError, match=rf"^parallel_config.{name}: .*supports 1 .* got 2$"):
+        TierKVConnector(cfg, KVConnectorRole.WORKER, kv_cache_config)
+
+
+def test_a_model_without_local_weights_gets_no_persistent_tier_unless_model_id_is_declared(tmp_path, caplog):
+    """tiny-llama has a config and no weights: its identity cannot be named by content, so L3 (and
+    L4, a shared L2) are off with a warning saying what to set; a declared model_id turns them on."""
+    cfg, spec = vllm_config()
+    cfg.kv_transfer_config.kv_connector_extra_config = {"l3": {"path": str(tmp_path / "l3")}}
+    kv_cache_config = get_kv_cache_config_from_groups(cfg, [KVCacheGroupSpec(LAYERS, spec)], 1 << 30)
+    with caplog.at_level("WARNING", logger="tierkv.connectors.vllm"):
+        c = TierKVConnector(cfg, KVConnectorRole.WORKER, kv_cache_config)
+    try:
+        assert not c.identity.known and c.store.l3 is None
+        assert "cannot be named by content" in caplog.text and "model_id" in caplog.text
+    finally:
+        c.shutdown()
+    cfg.kv_transfer_config.kv_connector_extra_config = {"l3": {"path": str(tmp_path / "l3")}, "model_id": "tiny"}
+    c = TierKVConnector(cfg, KVConnectorRole.WORKER, kv_cache_config)
+    try:
+        assert c.identity.known and c.store.l3 is not None
+        assert c.identity.identity.get("weights") == "declared:tiny@"
+    finally:
+        c.shutdown()
 
 
 def test_more_than_one_kv_cache_group_is_refused(tmp_path):
