@@ -19,6 +19,7 @@ from tierkv.engine.scheduler import Scheduler
 from tierkv.engine.sequence import Output, Sequence
 from tierkv.engine.tokenizer import Tokenizer
 from tierkv.identity import salt_keys
+from tierkv.why import BlockWhy, explain
 from tierkv.layout import KVLayout
 from tierkv.store import TierKVStore
 from tierkv.tiers.device import resolve_device
@@ -59,6 +60,8 @@ class LLM:
         self.identity = engine_identity(model_dir, ec.dtype, self.layout.dtype, ec.hf_overrides)
         self.store = TierKVStore(self._store_config(model_dir, store_config, device), self.layout,
                                  l1_blocks=ec.num_blocks, identity=self.identity)
+        if enable_cache:
+            self.store.keep_eviction_log()
         self.tokenizer = Tokenizer(model_dir, mc.vocab_size)
         self.scheduler = Scheduler(ec, KVCacheManager(self.store, enable_cache), mc.eos_token_id)
         self.runner = ModelRunner(self.model, self.store.l1.pool, ec.block_size)
@@ -158,6 +161,13 @@ class LLM:
         except BaseException:
             self.scheduler.abort_all()
             raise
+
+    def why(self, prompt: Prompt, namespace: str | None = None, cache_salt: str | None = None) -> list[BlockWhy]:
+        """Per full block of ``prompt``: the tier that holds it, or why none does (``why.explain``:
+        evicted when and from where, damaged, held under another model identity and which field
+        differs, or not computed yet). Read-only; safe beside a running ``step``."""
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        return explain(self.store, ids, namespace, salt_keys(cache_salt))
 
     # -- lifetime -------------------------------------------------------------
 

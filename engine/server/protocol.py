@@ -175,6 +175,18 @@ class TokenizeRequest(_Strict):
     add_special_tokens: StrictBool | None = None
 
 
+class WhyRequest(_Strict):
+    """tierkv's ``/v1/kv/why``: for a ``prompt`` (text, tokenized as a completion would be, or token
+    ids) or chat ``messages``, per block where its KV is or why it is not in any tier."""
+
+    model: StrictStr | None = None
+    prompt: StrictStr | list[StrictInt] | None = None
+    messages: list[Message] | None = None
+    add_generation_prompt: StrictBool = True
+    namespace: StrictStr | None = None
+    cache_salt: StrictStr | None = None
+
+
 # -- responses ------------------------------------------------------------------------
 
 

@@ -1,4 +1,5 @@
-"""The HTTP routes: OpenAI's /v1/completions, /v1/chat/completions, /v1/models; /tokenize; /health; /metrics.
+"""The HTTP routes: OpenAI's /v1/completions, /v1/chat/completions, /v1/models; /tokenize; /v1/kv/why;
+/health; /metrics.
 
 Every route reads the shared state from ``request.app.state.server`` (an
 ``EngineServer``: its ``client``, ``config``, ``metrics``); ``state(request)``
@@ -21,9 +22,10 @@ from tierkv.engine.sequence import Output
 from tierkv.engine.server import protocol
 from tierkv.engine.server.errors import RequestError
 from tierkv.engine.server.metrics import CONTENT_TYPE
-from tierkv.engine.server.protocol import ChatRequest, CompletionRequest, TokenizeRequest
+from tierkv.engine.server.protocol import ChatRequest, CompletionRequest, TokenizeRequest, WhyRequest
 from tierkv.engine.server.streaming import DONE, EventStream, IncrementalDecoder, StopStrings, sse, until_disconnect
 from tierkv.engine.serving import TokenDelta
+from tierkv.why import summary
 
 router = APIRouter()
 
@@ -77,6 +79,26 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
         add = True if body.add_special_tokens is None else body.add_special_tokens
         ids = await run_in_threadpool(client.completion_ids, body.prompt, add)
     return {"count": len(ids), "max_model_len": server.llm.max_model_len, "tokens": ids}
+
+
+@router.post("/v1/kv/why")
+async def kv_why(body: WhyRequest, request: Request) -> dict:
+    """Per block of the prompt: the tier holding its KV, or why none does (``tierkv.why``)."""
+    server = state(request)
+    _check_model(server, body.model)
+    if (body.prompt is None) == (body.messages is None):
+        raise RequestError(400, "prompt, messages: give exactly one of them", "prompt")
+    if body.cache_salt is not None and not body.cache_salt:
+        raise RequestError(400, "cache_salt: expected a non-empty string", "cache_salt")
+    client = server.client
+    if body.messages is not None:
+        ids = await run_in_threadpool(client.chat_ids, [m.as_dict() for m in body.messages], body.add_generation_prompt)
+    else:
+        ids = await run_in_threadpool(client.completion_ids, body.prompt)
+    blocks = await run_in_threadpool(server.llm.why, ids, body.namespace, body.cache_salt)
+    store = server.llm.store
+    return {"identity": store.identity.digest, "block_size": store.block_size, "prompt_tokens": len(ids),
+            "summary": summary(blocks), "blocks": [b.to_dict() for b in blocks]}
 
 
 @router.post("/v1/completions")

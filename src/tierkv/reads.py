@@ -95,6 +95,7 @@ class Loader:
         self.metrics = metrics
         self.block_bytes = block_bytes
         self._on_failure = on_failure
+        self.evictions = None  # an EvictionLog (why.py) to note damaged blocks in, when the store keeps one
         # The thread each tier's reads run on: L2 copies beside the device stream, L3 and L4 on
         # the IO thread, in order after the writes queued there.
         self._runner = {Tier.L2: transfer.copy, Tier.L3: transfer.io, Tier.L4: transfer.io}
@@ -191,6 +192,8 @@ class Loader:
             for j, i in enumerate(positions):
                 key, tier = m.keys[i], m.tiers[i]
                 if not ok[i]:
+                    if self.evictions is not None:
+                        self.evictions.note(key, tier, "damaged")
                     # L3 already removed a bad block itself; L4 is not in the index.
                     if tier == Tier.L2:
                         self.tiers[tier].remove([key])

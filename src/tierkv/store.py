@@ -25,6 +25,7 @@ from tierkv.cost import CostModel, calibrate
 from tierkv.events import TierEvents, TierListener
 from tierkv.hashing import BlockHash, BlockHasher
 from tierkv.identity import ModelIdentity, recorded
+from tierkv.why import EvictionLog
 from tierkv.index import Entry, PrefixIndex, Tier
 from tierkv.layout import KVLayout
 from tierkv.metrics import TIER_NAMES, Metrics
@@ -45,11 +46,13 @@ _STAGE_PER_EVICTION = 2  # outbox slots one L1 eviction may take (L2 victim to L
 
 class TierKVStore:
     def __init__(self, config: StoreConfig | None = None, layout: KVLayout | None = None, *,
-                 l1_blocks: int | None = None, identity: ModelIdentity | None = None) -> None:
+                 l1_blocks: int | None = None, identity: ModelIdentity | None = None,
+                 record_identity: bool = True) -> None:
         """Open the configured tiers for ``layout``. ``identity`` (``identity.py``) names what fixes
         the KV of a token sequence and roots every key; None means the caller vouches for
         ``config.model_id`` / ``model_revision`` alone (``ModelIdentity.declared``). The engine and
-        the vLLM connector always pass the identity they computed."""
+        the vLLM connector always pass the identity they computed. ``record_identity`` False opens
+        L3 without recording the identity as one that wrote there (``tierkv why`` looking in)."""
         if layout is None:
             raise ValueError("layout: a KVLayout is required")
         self.config = cfg = config or StoreConfig()
@@ -59,7 +62,9 @@ class TierKVStore:
         self.hasher = BlockHasher(cfg.hashing.algorithm, bytes.fromhex(cfg.hashing.key) if cfg.hashing.key else None)
         self._seeds: dict[tuple, bytes] = {}
         self._lock = threading.RLock()
-        self.tiers, self.outbox = open_tiers(cfg, layout, l1_blocks, self._on_failure, self.identity)
+        self.tiers, self.outbox = open_tiers(cfg, layout, l1_blocks, self._on_failure,
+                                             self.identity if record_identity else None)
+        self.evictions: EvictionLog | None = None
         device = self.l1.device if self.l1 is not None else torch.device("cpu")
         measured = calibrate(layout.block_bytes, layout.block_size, device=str(device),
                              disk_dir=cfg.l3.path if Tier.L3 in self.tiers else None) if cfg.cost.calibrate else None
@@ -351,6 +356,18 @@ class TierKVStore:
         """Stop calling ``listener`` (unknown ones are ignored). Thread-safe."""
         self.events.remove_listener(listener)
 
+    def keep_eviction_log(self, capacity: int = 65536) -> EvictionLog:
+        """Record, for up to ``capacity`` blocks, the last tier each left and when, and which were
+        dropped as damaged (``why.EvictionLog``, read by ``why.explain``); with L3 it starts from the
+        log an earlier process left there and is saved there again on ``close``. Idempotent."""
+        if self.evictions is None:
+            log_ = EvictionLog(capacity)
+            if Tier.L3 in self.tiers:
+                log_.load(self.config.l3.path)
+            self.add_tier_listener(log_, by_tier=True)
+            self.evictions = self.loader.evictions = log_
+        return self.evictions
+
     def stats(self) -> dict:
         """Counters by tier plus usage and capacity in blocks (L3: writes queued included). Thread-safe snapshot."""
         with self._lock:
@@ -367,7 +384,11 @@ class TierKVStore:
     def close(self) -> None:
         """Finish pending transfers (queued L4 puts included) and close files. The store is unusable afterwards."""
         self.transfer.close()
+        if self.evictions is not None:
+            self.events.flush()
         self.events.close()
+        if self.evictions is not None and Tier.L3 in self.tiers:
+            self.evictions.save(self.config.l3.path)
         for tier in reversed(self.tiers.values()):
             tier.close()
 

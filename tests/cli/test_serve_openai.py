@@ -261,3 +261,29 @@ def test_prompt_ids_equal_transformers_apply_chat_template(server, smollm2_dir):
         assert got["tokens"] == want, messages
         out = chat(server, messages, max_tokens=1)  # the ids /tokenize shows are the ids the chat ran on
         assert out.usage.prompt_tokens == len(want)
+
+
+def test_kv_why_says_per_block_where_a_chat_prefix_is_and_the_cli_reads_it(server):
+    """After a chat, ``POST /v1/kv/why`` on the same messages plus a new turn: the blocks of the first
+    turn are held in a tier, the new turn's are not computed yet; ``tierkv why --url`` prints the same."""
+    first = [{"role": "user", "content": "Name three rivers of Europe and one fact about each."}]
+    reply = chat(server, first).choices[0].message.content
+    longer = [*first, {"role": "assistant", "content": reply},
+              {"role": "user", "content": "Now list three mountains of Asia, each with its height in metres."}]
+    r = server.http.post("/v1/kv/why", json={"messages": longer})
+    assert r.status_code == 200, r.text
+    data = r.json()
+    blocks = data["blocks"]
+    assert data["prompt_tokens"] // data["block_size"] == len(blocks) > 2
+    statuses = [b["status"] for b in blocks]
+    assert statuses[0] == "held" and statuses[-1] == "not_computed", statuses
+    assert statuses == sorted(statuses, key=lambda s: s != "held")  # held prefix, then the new turn
+    assert {b["tier"] for b in blocks if b["status"] == "held"} <= {"l1", "l2", "l3"}
+    assert sum(data["summary"].values()) == len(blocks)
+    bad = server.http.post("/v1/kv/why", json={"prompt": "x", "messages": first})
+    assert bad.status_code == 400 and "exactly one" in bad.text
+    ids = server.http.post("/tokenize", json={"messages": longer}).json()["tokens"]
+    cli = subprocess.run([sys.executable, "-m", "tierkv.cli", "why", "--url", server.url, "--ids",
+                          ",".join(map(str, ids)), "--json"], capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    assert [b["status"] for b in json.loads(cli.stdout)["blocks"]] == statuses

@@ -1,4 +1,4 @@
-"""The `tierkv` command (docs/design.md §14): run, info, ls, warm, verify, evict, export, import, serve, model, bench.
+"""The `tierkv` command (docs/design.md §14): run, info, ls, warm, verify, evict, export, import, serve, why, model, bench.
 
 ``main`` is the console-script entry point. It maps outcomes to exit codes
 (0 success, 1 failure, 2 bad usage) and prints failures on one line; pass
@@ -17,7 +17,7 @@ except ImportError:
     from click import ClickException as _ClickError
 
 # Import order is the order of `tierkv --help`.
-from tierkv.cli import run_cmd, info_cmd, store_cmds, engine_cmds, route_cmd, model_cmds, bench_cmd  # noqa: F401, I001  (registers commands)
+from tierkv.cli import run_cmd, info_cmd, store_cmds, engine_cmds, why_cmd, route_cmd, model_cmds, bench_cmd  # noqa: F401, I001  (registers commands)
 from tierkv.cli.common import CLIError, app, err_console
 
 __all__ = ["app", "main"]

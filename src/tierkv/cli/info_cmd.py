@@ -14,7 +14,10 @@ from rich import box
 from rich.table import Table
 
 from tierkv.catalog import Catalog, open_l3
-from tierkv.cli.common import CacheDir, CLIError, ConfigFile, Debug, Json, app, console, human_bytes, print_json, settings
+from tierkv.cli.common import (
+    CacheDir, CLIError, ConfigFile, Debug, Json, app, console, human_age, human_bytes, print_json, settings,
+)
+from tierkv.identity import recorded
 from tierkv.metrics import TIER_NAMES
 from tierkv.tiers.disk_open import damaged_dirs
 
@@ -75,6 +78,8 @@ def local_info(s) -> dict:
         l3.update(present=True, capacity_blocks=disk.capacity, used_blocks=disk.used,
                   capacity_bytes=disk.capacity * disk.stride, used_bytes=disk.used * disk.block_bytes,
                   direct_io=disk.direct, model_id=meta.get("model_id"), model_revision=meta.get("model_revision"))
+        l3["identities"] = [{"digest": ident.digest, "last_opened": seen, "fields": ident.field_digests()}
+                            for ident, seen in recorded(meta)]
         out["layout"] = {**disk.layout.to_dict(), "fingerprint": disk.layout.fingerprint,
                          "block_bytes": disk.layout.block_bytes}
         catalog = Catalog(s.l3_path)
@@ -205,6 +210,10 @@ def info_cmd(
     if l3["present"]:
         console.print(f"l3 holds model {l3['model_id']}@{l3['model_revision']}; {l3['hits_recorded']} block hits "
                       f"recorded; namespaces: {', '.join(l3['namespaces']) or '-'}")
+    for ident in l3.get("identities", []):
+        fields = "  ".join(f"{k} {v[:8]}" for k, v in ident["fields"].items())
+        console.print(f"identity {ident['digest'][:12]} (opened {human_age(time.time() - ident['last_opened'])} ago): "
+                      f"{fields}", markup=False, soft_wrap=True)
     damaged = l3["damaged"]
     if damaged["count"]:
         noun = "directory" if damaged["count"] == 1 else "directories"

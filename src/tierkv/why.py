@@ -1,0 +1,200 @@
+"""Why a prompt's blocks hit or missed: per block, the tier that holds it or the reason it is not there.
+
+``explain(store, keys)`` answers for one chain of block keys (``store.hash``
+of a prompt, or the connector's keys): each block is
+
+- ``held`` in a tier (the fastest local tier the index names, else L4);
+- ``evicted`` from a tier at a time (``EvictionLog``: the last tier it left,
+  seen by this process or by an earlier one that closed the same L3);
+- ``damaged``: a read of it failed its checksum (or its tier failed) and it
+  was dropped;
+- ``other_identity``: not under this model identity, but the block computed
+  for the same tokens under an identity the L3 directory records is there —
+  the fields that differ are named ("weights 3f2a… → 9c1b…");
+- ``not_computed``: no tier has it and nothing says it was ever there.
+
+Read-only and thread-safe (index reads under the store's lock; the L4
+membership probe outside it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tierkv.index import Tier
+from tierkv.metrics import TIER_NAMES
+
+EVICTION_LOG_FILE = "evictions.json"
+
+
+class EvictionLog:
+    """The last tier each recently removed block left, and when; at most ``capacity`` blocks.
+
+    A ``TierEvents`` listener (``by_tier``): a block stored anywhere leaves the
+    log, a block removed from a tier enters it (the newest removal wins), so
+    a block not in any tier was evicted from the tier the log names. ``note``
+    records a block dropped for a reason (``damaged``). Thread-safe. ``save`` /
+    ``load`` keep it across processes in the L3 directory (``evictions.json``).
+    """
+
+    def __init__(self, capacity: int = 65536) -> None:
+        self.capacity = capacity
+        self._log: OrderedDict[bytes, tuple[int, float, str]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __call__(self, stored: list[list[bytes]], removed: list[list[bytes]]) -> None:
+        now = time.time()
+        with self._lock:
+            for tier, keys in enumerate(removed):
+                for key in keys:
+                    key = bytes(key)
+                    old = self._log.get(key)
+                    if old is not None and old[2] != "evicted" and old[0] == tier:
+                        continue  # the removal of a block noted as damaged there: keep the reason
+                    self._put(key, (tier, now, "evicted"))
+            for keys in stored:
+                for key in keys:
+                    self._log.pop(bytes(key), None)
+
+    def note(self, key: bytes, tier: int, reason: str) -> None:
+        """Record that ``tier`` dropped ``key`` for ``reason`` (``damaged``)."""
+        with self._lock:
+            self._put(bytes(key), (int(tier), time.time(), reason))
+
+    def _put(self, key: bytes, rec: tuple[int, float, str]) -> None:
+        self._log.pop(key, None)
+        self._log[key] = rec
+        while len(self._log) > self.capacity:
+            self._log.popitem(last=False)
+
+    def get(self, key: bytes) -> tuple[int, float, str] | None:
+        with self._lock:
+            return self._log.get(bytes(key))
+
+    def __len__(self) -> int:
+        return len(self._log)
+
+    def save(self, directory: str | Path) -> None:
+        """Write the log to ``directory/evictions.json`` (atomically); errors are ignored (advisory)."""
+        with self._lock:
+            rows = [[k.hex(), t, round(w, 3), r] for k, (t, w, r) in self._log.items()]
+        try:
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=EVICTION_LOG_FILE + ".")
+            with os.fdopen(fd, "w") as fh:
+                json.dump(rows, fh)
+            os.replace(tmp, Path(directory) / EVICTION_LOG_FILE)
+        except OSError:
+            pass
+
+    def load(self, directory: str | Path) -> None:
+        """Add what an earlier process saved in ``directory`` (older than anything recorded here)."""
+        try:
+            rows = json.loads((Path(directory) / EVICTION_LOG_FILE).read_text())
+            older = OrderedDict((bytes.fromhex(k), (int(t), float(w), str(r))) for k, t, w, r in rows)
+        except (OSError, ValueError, TypeError):
+            return
+        with self._lock:
+            for k, rec in self._log.items():
+                older.pop(k, None)
+                older[k] = rec
+            self._log = older
+            while len(self._log) > self.capacity:
+                self._log.popitem(last=False)
+
+
+@dataclass(frozen=True)
+class BlockWhy:
+    """One block's answer: ``status`` one of held, evicted, damaged, other_identity, not_computed."""
+
+    block: int
+    tokens: tuple[int, int]
+    key: str
+    status: str
+    tier: str | None = None
+    at: float | None = None
+    identity: str | None = None
+    differs: tuple[str, ...] = field(default_factory=tuple)
+
+    def describe(self, now: float | None = None) -> str:
+        if self.status == "held":
+            return f"in {self.tier}"
+        if self.status in ("evicted", "damaged"):
+            ago = (now or time.time()) - (self.at or 0.0)
+            return f"{self.status} from {self.tier} {ago:.0f} s ago"
+        if self.status == "other_identity":
+            return f"held under identity {self.identity[:12]}, which differs in: " + "; ".join(self.differs)
+        return "not computed yet (no tier has it, no eviction of it recorded)"
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["tokens"], d["differs"] = list(self.tokens), list(self.differs)
+        return {k: v for k, v in d.items() if v not in (None, [])}
+
+
+def explain(store, token_ids: Sequence[int], namespace: str | None = None,
+            extra_keys: Sequence[str] = ()) -> list[BlockWhy]:
+    """Per full block of ``token_ids`` (hashed as ``store.hash`` does), where it is or why it is not."""
+    bs = store.block_size
+    keys = store.hash(token_ids, namespace, extra_keys)
+    found = _where(store, keys)
+    others = [ident for ident, _ in store.recorded_identities() if ident.digest != store.identity.digest]
+    elsewhere: dict[int, tuple[object, list[str]]] = {}
+    missing = [i for i, t in enumerate(found) if t is None]
+    for ident in others:
+        if not missing:
+            break
+        seed = store.seed(namespace, extra_keys, identity=ident)
+        theirs = store.hasher.hash_blocks(list(token_ids), bs, seed)
+        where = _where(store, [theirs[i] for i in missing])
+        for i, tier in zip(list(missing), where):
+            if tier is not None:
+                elsewhere[i] = (ident, store.identity.diff(ident))
+                missing.remove(i)
+    log = getattr(store, "evictions", None)
+    out = []
+    for i, key in enumerate(keys):
+        base = dict(block=i, tokens=(i * bs, (i + 1) * bs), key=key.hex())
+        if found[i] is not None:
+            out.append(BlockWhy(status="held", tier=TIER_NAMES[found[i]], **base))
+        elif i in elsewhere:
+            ident, differs = elsewhere[i]
+            out.append(BlockWhy(status="other_identity", identity=ident.digest, differs=tuple(differs), **base))
+        elif log is not None and (rec := log.get(key)) is not None:
+            tier, at, reason = rec
+            out.append(BlockWhy(status=reason, tier=TIER_NAMES[tier], at=at, **base))
+        else:
+            out.append(BlockWhy(status="not_computed", **base))
+    return out
+
+
+def _where(store, keys: Sequence[bytes]) -> list[int | None]:
+    """Per key: the fastest local tier the index names, else L4 when the pool holds it, else None."""
+    with store._lock:
+        found = []
+        for key in keys:
+            entry = store.index.get(key)
+            found.append(int(entry.best) if entry is not None and entry.mask else None)
+    l4 = store.tiers.get(Tier.L4)
+    if l4 is not None:
+        todo = [i for i, t in enumerate(found) if t is None]
+        if todo:
+            for i, there in zip(todo, l4.contains([keys[i] for i in todo])):
+                if there:
+                    found[i] = int(Tier.L4)
+    return found
+
+
+def summary(blocks: Sequence[BlockWhy]) -> dict[str, int]:
+    """``{status: blocks}`` over ``blocks``."""
+    out: dict[str, int] = {}
+    for b in blocks:
+        out[b.status] = out.get(b.status, 0) + 1
+    return out

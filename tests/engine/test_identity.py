@@ -1,0 +1,149 @@
+"""Never the wrong KV: an L3 filled by an earlier process is found only under the same model identity.
+
+An earlier process (a subprocess) runs the engine on a checkpoint with L3 and
+write-through, then exits. This process changes one thing the KV depends on —
+the weights rewritten in place (same size, same first MiB: a merged fine-tune
+of k_proj), ``hf_overrides`` (rope_theta), another ``cache_salt`` — and must
+load 0 tokens from tierkv with ids equal to a cache-less run of the changed
+configuration, while ``why`` names the field that differs. The same
+configuration restarted loads the prefix and gives the same ids. Another
+dtype is another block layout: the L3 directory refuses it at start, naming
+both layouts (a store never reads a block under another layout).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from engine_helpers import GREEDY
+
+from tierkv.config import L2Config, L3Config, PolicyConfig, StoreConfig
+from tierkv.engine import LLM, EngineConfig
+
+PROMPT = [(7 * i + 3) % 250 + 3 for i in range(150)]  # 9 full blocks of 16
+
+
+def l3_config(l3: Path) -> StoreConfig:
+    return StoreConfig(l2=L2Config(capacity=0), l3=L3Config(path=str(l3), capacity="16MiB"),
+                       policy=PolicyConfig(write="write_through"))
+
+
+FILL = textwrap.dedent("""
+    import json, sys
+    from tierkv.config import L2Config, L3Config, PolicyConfig, StoreConfig
+    from tierkv.engine import LLM, EngineConfig, SamplingParams
+    model, l3, prompt = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    cfg = StoreConfig(l2=L2Config(capacity=0), l3=L3Config(path=l3, capacity="16MiB"),
+                      policy=PolicyConfig(write="write_through"))
+    with LLM(model, cfg, EngineConfig(num_blocks=128, num_threads=1)) as llm:
+        out = llm.generate([prompt], SamplingParams(max_tokens=12, ignore_eos=True))[0]
+        llm.store.flush()
+        print(json.dumps({"ids": out.token_ids, "l3": llm.store.l3.used}))
+""")
+
+
+@pytest.fixture
+def filled(tiny_dir: Path, tmp_path: Path, monkeypatch) -> dict:
+    """A private copy of the checkpoint, an L3 filled from it by an earlier process, and that run's ids."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_dir, model)
+    monkeypatch.setenv("TIERKV_DIGEST_CACHE", str(tmp_path / "digests.json"))
+    env = {**os.environ, "TIERKV_DIGEST_CACHE": str(tmp_path / "digests.json")}
+    proc = subprocess.run([sys.executable, "-c", FILL, str(model), str(tmp_path / "l3"), json.dumps(PROMPT)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    first = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert first["l3"] >= 9
+    return {"model": model, "l3": tmp_path / "l3", "ids": first["ids"]}
+
+
+def run(model: Path, l3: Path | None, salt: str | None = None, **engine):
+    """(ids, tokens loaded from tierkv, why) of one fresh engine on ``PROMPT``; no cache when ``l3`` is None."""
+    engine.setdefault("num_blocks", 128)
+    engine.setdefault("num_threads", 1)
+    cfg = l3_config(l3) if l3 is not None else StoreConfig(l2=L2Config(capacity=0), l3_enabled=False)
+    with LLM(model, cfg, EngineConfig(**engine), enable_cache=l3 is not None) as llm:
+        why = llm.why(PROMPT, cache_salt=salt) if l3 is not None else []
+        out = llm.generate([PROMPT], GREEDY, cache_salt=salt)[0]
+    return out.token_ids, sum(n for t, n in out.hit_tokens.items() if t != "l1"), why
+
+
+def fine_tune_in_place(model: Path) -> None:
+    """Rewrite the k_proj stored last in the safetensors file: same size, same first MiB, other values."""
+    from safetensors.torch import load_file, save_file
+
+    f = next(model.glob("*.safetensors"))
+    size, head = f.stat().st_size, f.read_bytes()[: 1 << 20]
+    raw = f.read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    name = max((n for n in header if n.endswith("k_proj.weight")), key=lambda n: header[n]["data_offsets"][0])
+    tensors = load_file(str(f))
+    tensors[name] = (tensors[name] * 1.5).contiguous()
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    assert f.stat().st_size == size
+    if size > (1 << 20):
+        assert f.read_bytes()[: 1 << 20] == head
+
+
+def test_the_same_configuration_restarted_loads_the_prefix(filled):
+    ids, loaded, why = run(filled["model"], filled["l3"])
+    assert ids == filled["ids"]
+    assert loaded == 9 * 16
+    assert [b.status for b in why] == ["held"] * 9 and {b.tier for b in why} == {"l3"}
+
+
+@pytest.mark.parametrize("change", ["fine_tune", "hf_overrides", "cache_salt"])
+def test_a_changed_identity_loads_nothing_and_why_names_the_field(filled, change):
+    model, engine, salt = filled["model"], {}, None
+    if change == "fine_tune":
+        fine_tune_in_place(model)
+        field = "weights"
+    elif change == "hf_overrides":
+        engine["hf_overrides"] = {"rope_theta": 1000.0}
+        field = "config"
+    else:
+        salt = "tenant-2"
+    ids, loaded, why = run(model, filled["l3"], salt, **engine)
+    reference, _, _ = run(model, None, salt, **engine)
+    assert loaded == 0
+    assert ids == reference
+    if change != "cache_salt":
+        assert ids != filled["ids"]  # the change matters: the old KV would have been wrong
+        assert {b.status for b in why} == {"other_identity"}
+        assert all(any(d.startswith(field + " ") for d in b.differs) for b in why), why[0].differs
+    else:
+        assert {b.status for b in why} == {"not_computed"}  # a salt is the request's, not recorded
+    # And the original configuration still finds its blocks, untouched by the other run.
+    if change != "fine_tune":
+        again, loaded, _ = run(model, filled["l3"])
+        assert loaded == 9 * 16 and again == filled["ids"]
+
+
+def test_another_dtype_is_refused_by_the_l3_directory_naming_both_layouts(filled):
+    with pytest.raises(ValueError, match=r"^l3.path: .* holds blocks of layout .* this store's layout is"):
+        run(filled["model"], filled["l3"], dtype="bfloat16")
+    ids, loaded, _ = run(filled["model"], None, dtype="bfloat16")
+    assert loaded == 0 and len(ids) == len(filled["ids"])
+
+
+def test_a_rewritten_weight_file_is_hashed_again_and_an_unchanged_one_costs_a_stat(tmp_path, tiny_dir):
+    from tierkv.identity import file_digests
+
+    f = tmp_path / "w.safetensors"
+    shutil.copy(next(tiny_dir.glob("*.safetensors")), f)
+    cache = tmp_path / "digests.json"
+    (d1, hashed1), = file_digests([f], cache).values()
+    (d2, hashed2), = file_digests([f], cache).values()
+    assert hashed1 and not hashed2 and d1 == d2
+    data = bytearray(f.read_bytes())
+    data[-5] ^= 0xFF  # one byte near the end, same size
+    f.write_bytes(bytes(data))
+    (d3, hashed3), = file_digests([f], cache).values()
+    assert hashed3 and d3 != d1
