@@ -29,6 +29,7 @@ import torch
 import xxhash
 
 from tierkv.catalog import Catalog, stored_layout
+from tierkv.identity import IDENTITY_PREFIX
 from tierkv.layout import KVLayout
 from tierkv.tiers.base import Lineage
 from tierkv.tiers.disk import DiskTier
@@ -90,6 +91,9 @@ def export_l3(l3: DiskTier, catalog: Catalog, dest: str | Path) -> SnapshotRepor
             "checksums": {"blocks.bin": data_sha.hexdigest(),
                           "records.jsonl": hashlib.sha256(records_blob).hexdigest()},
             "namespaces": labels,
+            # The model identities that wrote here (identity.py): an importing store finds blocks
+            # only under its own, and `tierkv why` / `info` can name what differs.
+            "identities": {k: v for k, v in meta.items() if k.startswith(IDENTITY_PREFIX)},
             "created": time.time(),
         }
         partial = dest.with_name(dest.name + ".partial")
@@ -159,6 +163,8 @@ def import_l3(src: str | Path, l3_path: str | Path, capacity_blocks: int, direct
     layout = check_compatible(manifest, l3_path)
     count = manifest["counts"]["blocks"]
     meta = {"model_id": manifest["model_id"], "model_revision": manifest["model_revision"]}
+    meta.update({k: v for k, v in (manifest.get("identities") or {}).items()
+                 if isinstance(k, str) and k.startswith(IDENTITY_PREFIX) and isinstance(v, str)})
     with tarfile.open(src, "r") as tar:
         records_blob = tar.extractfile("records.jsonl").read()
         if hashlib.sha256(records_blob).hexdigest() != manifest["checksums"]["records.jsonl"]:

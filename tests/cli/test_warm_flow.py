@@ -34,6 +34,14 @@ def test_warm_ls_verify_export_evict_import_hits_again(cache, tiny_model, tmp_pa
     assert run_tierkv("evict", "--all", "--cache-dir", str(cache)).code == 0
     r = run_tierkv("import", str(snap), "--json", "--cache-dir", str(cache))
     assert r.code == 0 and r.json()["blocks"] == 26, r.err
+    # The snapshot carries the model identity that wrote the blocks: a fresh node importing it
+    # records the same one (what `tierkv why` and `info` name), with the same field digests.
+    idents = run_tierkv("info", "--json", "--cache-dir", str(cache)).json()["tiers"]["l3"]["identities"]
+    fresh = tmp_path / "fresh-node"
+    assert run_tierkv("import", str(snap), "--json", "--cache-dir", str(fresh)).code == 0
+    theirs = run_tierkv("info", "--json", "--cache-dir", str(fresh)).json()["tiers"]["l3"]["identities"]
+    assert len(idents) == 1 and [i["fields"] for i in theirs] == [idents[0]["fields"]]
+    assert "weights" in idents[0]["fields"] and "config" in idents[0]["fields"]
 
     r = run_tierkv("warm", str(prompts), *common)
     assert r.code == 0, r.err
