@@ -109,3 +109,23 @@ def write_llama_gguf(path: Path, cfg: dict, state: dict[str, torch.Tensor], arch
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def fine_tune_in_place(model_dir: Path) -> None:
+    """Rewrite the k_proj stored last in ``model_dir``'s safetensors file as a merged fine-tune would:
+    same size, the first MiB untouched, other values (what a size + head fingerprint cannot see)."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    f = next(Path(model_dir).glob("*.safetensors"))
+    raw = f.read_bytes()
+    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
+    name = max((n for n in header if n.endswith("k_proj.weight")), key=lambda n: header[n]["data_offsets"][0])
+    tensors = load_file(str(f))
+    tensors[name] = (tensors[name] * 1.5).contiguous()
+    save_file(tensors, str(f), metadata={"format": "pt"})
+    new = f.read_bytes()
+    assert len(new) == len(raw) and new != raw
+    if len(raw) > 1 << 20:
+        assert new[: 1 << 20] == raw[: 1 << 20]

@@ -22,6 +22,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from _models import fine_tune_in_place
 from engine_helpers import GREEDY
 
 from tierkv.config import L2Config, L3Config, PolicyConfig, StoreConfig
@@ -73,23 +74,6 @@ def run(model: Path, l3: Path | None, salt: str | None = None, **engine):
         why = llm.why(PROMPT, cache_salt=salt) if l3 is not None else []
         out = llm.generate([PROMPT], GREEDY, cache_salt=salt)[0]
     return out.token_ids, sum(n for t, n in out.hit_tokens.items() if t != "l1"), why
-
-
-def fine_tune_in_place(model: Path) -> None:
-    """Rewrite the k_proj stored last in the safetensors file: same size, same first MiB, other values."""
-    from safetensors.torch import load_file, save_file
-
-    f = next(model.glob("*.safetensors"))
-    size, head = f.stat().st_size, f.read_bytes()[: 1 << 20]
-    raw = f.read_bytes()
-    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
-    name = max((n for n in header if n.endswith("k_proj.weight")), key=lambda n: header[n]["data_offsets"][0])
-    tensors = load_file(str(f))
-    tensors[name] = (tensors[name] * 1.5).contiguous()
-    save_file(tensors, str(f), metadata={"format": "pt"})
-    assert f.stat().st_size == size
-    if size > (1 << 20):
-        assert f.read_bytes()[: 1 << 20] == head
 
 
 def test_the_same_configuration_restarted_loads_the_prefix(filled):

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from _e2e import BLOCK, Driver, prompt, write_random_llama
+from _models import fine_tune_in_place
 
 LLM_ARGS = {"skip_tokenizer_init": True, "dtype": "float32", "max_model_len": 1024, "enable_prefix_caching": True,
             "num_gpu_blocks_override": 16, "max_num_batched_tokens": 1024, "seed": 0}
@@ -52,22 +53,6 @@ def _why(cache: Path, tmp: Path, identity: str = "latest") -> dict:
                            "--cache-dir", str(cache), "--json"], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout)
-
-
-def fine_tune_in_place(model: Path) -> None:
-    """Scale the k_proj stored last in the file: same size, the first MiB untouched."""
-    from safetensors.torch import load_file, save_file
-
-    f = model / "model.safetensors"
-    raw = f.read_bytes()
-    header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
-    name = max((n for n in header if n.endswith("k_proj.weight")), key=lambda n: header[n]["data_offsets"][0])
-    tensors = load_file(str(f))
-    tensors[name] = (tensors[name] * 1.5).contiguous()
-    save_file(tensors, str(f), metadata={"format": "pt"})
-    new = f.read_bytes()
-    assert len(new) == len(raw) and (len(raw) <= 1 << 20 or new[: 1 << 20] == raw[: 1 << 20])
-    assert new != raw
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,7 @@ def _post(url: str, body: dict) -> dict:
 def _local(s, model: str | None, identity: str | None, prompt: str | None, ids: list[int] | None,
            namespace: str | None, salt: str | None, dtype: str, hf_overrides: dict | None) -> dict:
     from tierkv.catalog import stored_layout
-    from tierkv.identity import salt_keys
+    from tierkv.identity import recorded, salt_keys
     from tierkv.store import TierKVStore
     from tierkv.why import EvictionLog, explain, summary
 
@@ -64,8 +64,6 @@ def _local(s, model: str | None, identity: str | None, prompt: str | None, ids: 
     if stored is None:
         raise CLIError(f"no L3 cache at {s.l3_path} (pass --cache-dir, or ask a server with --url)")
     layout, _, meta = stored
-    from tierkv.identity import recorded
-
     records = [ident for ident, _ in recorded(meta)]
     if model is not None:
         from tierkv.engine.loader import engine_identity, read_config
