@@ -27,6 +27,25 @@ other dtypes, or where this torch build lacks the oneDNN ops; that is decided
 once per process by ``packed_linear_supported`` (a probe that also checks the
 result against ``F.linear``), never per call.
 
+Memory. oneDNN keeps each primitive it built, per (M, N, K), in its primitive
+cache, and ideep (torch's wrapper) keeps its own LRU of them; both hold 1,024
+by default, and an entry is not small: measured here (fp32, SmolLM2 shapes,
+16 rows apart) 0.02-0.7 MiB at M <= 256, and from M = 512 on about the output
+for the wide gate_up (3,072 columns: 5.4 MiB at M = 512, 24 MiB at 2,048) and
+0.4 x the input for down_proj. A server sees a new M for nearly every prompt
+length, so the default caches grew an engine on SmolLM2 by ~2.3 MiB a request
+with no end in sight. ``CACHE_ENTRIES`` (32) caps both, set through their
+environment variables (``ONEDNN_PRIMITIVE_CACHE_CAPACITY``,
+``LRU_CACHE_CAPACITY``) when this module is imported unless the user set
+them; they are read once, at the process's first oneDNN op, so a program
+that ran one before importing ``tierkv.engine`` keeps the library defaults.
+The engine's step shapes (four linears at the step's M, ``lm_head`` at its
+logit rows) then reuse about six recent M; a step with a new M rebuilds its
+~5 primitives, 0.3-1 ms each (measured), against a step of tens of ms or
+more, and nothing is padded. With the cap the same SmolLM2 run (120 prompts
+of 20-700 tokens) is flat once L1 has filled (1,958 MiB from request 60 on;
+uncapped still rising, 2,185 at 120); docs/engine.md has the numbers.
+
 ``PackedLinear`` holds an immutable weight and no state: it is safe to call
 from several threads (the engine calls it from one).
 """
@@ -34,6 +53,7 @@ from several threads (the engine calls it from one).
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +63,10 @@ from torch import nn
 # packed weight serves every M (see the numbers above).
 PACK_HINT = 16
 _DTYPES = (torch.float32, torch.bfloat16)
+# Primitives each of oneDNN's and ideep's caches keeps (see "Memory" above).
+CACHE_ENTRIES = 32
+for _var in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+    os.environ.setdefault(_var, str(CACHE_ENTRIES))
 
 
 @functools.cache

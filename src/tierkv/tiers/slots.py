@@ -59,7 +59,10 @@ class SlotPool:
         if self.device.type == "cpu":
             if slot_room:
                 self.slot_bytes = round_up(layout.block_bytes + slot_room, mmap.PAGESIZE)
-            self._mm = mmap.mmap(-1, max(1, num_blocks * self.slot_bytes))
+            # MAP_POPULATE: the pool is faulted in now (as L2's slab is), so a process's memory is
+            # what it will be from the start, and no step pays the first touch of a page.
+            self._mm = mmap.mmap(-1, max(1, num_blocks * self.slot_bytes),
+                                 mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0))
             items = num_blocks * self.slot_bytes // layout.itemsize
             flat = torch.frombuffer(self._mm, dtype=layout.torch_dtype, count=items)
             shape = layout.pool_shape(num_blocks)
