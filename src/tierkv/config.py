@@ -231,11 +231,19 @@ class IOConfig:
     caller's put, a load), background IO (demotions written behind,
     write-through, persist, L4 sends) is spaced to fill at most this share of
     wall time; with no foreground work it runs flat out. 1.0 turns pacing off.
+
+    ``shutdown_flush_s``: how long ``close`` (and a process exiting without
+    it, or a vLLM worker told to stop) may spend landing the writes queued so
+    far and writing the blocks that live only in L1/L2 down to L3; what is left
+    at the deadline is dropped and counted in one log line (a cache may lose
+    blocks, L3 stays consistent). 0 writes nothing more and drops the queue.
     """
 
     background_share: float = 0.15
+    shutdown_flush_s: float = 10.0
 
     def __post_init__(self) -> None:
+        _check_float(self.shutdown_flush_s, "io.shutdown_flush_s", 0.0)
         share = _check_float(self.background_share, "io.background_share", 0.0, strict=True)
         if share > 1.0:
             raise ValueError(f"io.background_share: expected a number in (0, 1], got {self.background_share!r}")

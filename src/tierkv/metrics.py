@@ -49,14 +49,15 @@ class Metrics:
                 self.hits[TIER_NAMES[tier]] += 1
             self.misses += missed
 
-    def failure(self, tier: str, reason: str, n: int = 1, detail: str = "") -> None:
-        """Count one failure that lost ``n`` blocks (0 where unknown); log the first of each kind only."""
+    def failure(self, tier: str, reason: str, n: int = 1, detail: str = "", say: bool = True) -> None:
+        """Count one failure that lost ``n`` blocks (0 where unknown); log the first of each kind only
+        (none with ``say`` False: the caller says it its own way)."""
         with self._lock:
             self.failures[(tier, reason)] += n
             self.failure_events[(tier, reason)] += 1
             if reason == "corrupt":
                 self.corrupt[tier] += n
-            first = (tier, reason) not in self._warned
+            first = say and (tier, reason) not in self._warned
             self._warned.add((tier, reason))
         if first:
             log.warning("tierkv %s %s: %s (counted as a miss; further ones are only counted)", tier, reason, detail)

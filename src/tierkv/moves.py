@@ -115,6 +115,8 @@ class Mover:
         self._lock = threading.Lock()
         self._pending_l3 = 0  # L3 blocks queued to be written minus those queued to be removed
         self._queued = 0  # plans submitted and not yet committed
+        self._abandoned = False
+        self.dropped = 0  # block writes skipped after ``abandon``
 
     @property
     def queued(self) -> int:
@@ -125,6 +127,12 @@ class Mover:
     def pending_l3(self) -> int:
         """Blocks L3 will gain once the queued plans have run (negative: lose)."""
         return self._pending_l3
+
+    def abandon(self) -> None:
+        """From now on skip the writes of plans not yet run (their removals still run, so a tier never
+        keeps a slot the index dropped); each skipped block is committed as failed and counted in
+        ``dropped``. For a shutdown past its deadline. Any thread."""
+        self._abandoned = True
 
     def submit(self, plan: Plan) -> Future | None:
         """Queue ``plan`` on the IO thread (call under the store lock, so plans run in the order
@@ -148,6 +156,13 @@ class Mover:
                 with self._pacer.piece(cpu=True):
                     if isinstance(run[0], Drop):
                         self._drop(run)
+                    elif self._abandoned:
+                        moves += run
+                        flags += [False] * len(run)
+                        self.dropped += len(run)
+                        relayed = [m for m in run if m.remove_src]
+                        if relayed:  # the source slot goes as planned: the block is lost, not kept twice
+                            self._drop([Drop(m.entry.key, m.src) for m in relayed])
                     else:
                         moves += run
                         flags += self._put(run)

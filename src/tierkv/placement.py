@@ -256,6 +256,23 @@ class Placement:
             self.stage(e, e.best, tier, plan)
         return [m for m in plan.moves if m.dst == Tier.L4]
 
+    def write_down(self, limit: int, chunk: int) -> list[Plan]:
+        """Plans (of up to ``chunk`` blocks each) copying into L3 the blocks that live only in L1 or
+        L2, at most ``limit``, shallowest first: roots before their children, so whatever prefix of
+        the plans lands is a set of chains a restart can match. L3 makes room as for any write (its
+        policy's victims go first). For ``close``."""
+        held = [e for e in self.index.entries()
+                if e.mask and not e.in_tier(Tier.L3) and e.key not in self.persisting
+                and (e.in_tier(Tier.L1) or e.in_tier(Tier.L2))]
+        held.sort(key=lambda e: e.depth)
+        plans = []
+        for i in range(0, min(limit, len(held)), chunk):
+            plan = Plan()
+            self.copies(held[i:min(i + chunk, limit)], Tier.L3, plan)
+            self.persisting.update(e.key for e in held[i:min(i + chunk, limit)])
+            plans.append(plan)
+        return plans
+
     def targets(self, entry: Entry) -> list[int]:
         """Local tiers below the fastest one holding ``entry`` that lack it (write-through copies)."""
         return [t for t in LOCAL_TIERS if t > entry.best and t in self.tiers and not entry.in_tier(t)]

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+import weakref
 from collections.abc import Sequence
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
@@ -42,6 +45,33 @@ from tierkv.transfer import LoadHandle, TransferEngine
 __all__ = ["Match", "OutOfBlocks", "TierKVStore"]
 log = logging.getLogger("tierkv.store")
 _STAGE_PER_EVICTION = 2  # outbox slots one L1 eviction may take (L2 victim to L3, L3 victim to L4)
+_WRITE_DOWN_CHUNK = 64  # blocks per plan when close writes L1/L2-only blocks down (the deadline's grain)
+_OPEN: weakref.WeakSet[TierKVStore] = weakref.WeakSet()
+
+
+def _close_open_stores() -> None:
+    """Close, at interpreter exit, every store the program left open: its queued writes land (or are
+    dropped, counted, at ``io.shutdown_flush_s``) and its files close consistently. Registered with
+    ``threading._register_atexit``, which runs before ``concurrent.futures`` stops the executors the
+    store's IO runs on (``atexit`` would run after: a write then raised "cannot schedule new futures
+    after shutdown"). One deadline for all of them: the longest of their settings."""
+    stores = list(_OPEN)
+    if not stores:
+        return
+    deadline = time.monotonic() + max(st.config.io.shutdown_flush_s for st in stores)
+    for st in stores:
+        try:
+            st.close(deadline=deadline)
+        except Exception as exc:  # never a traceback at exit; the cache loses what it had queued
+            log.warning("tierkv: closing a store at exit failed: %r", exc)
+
+
+try:
+    threading._register_atexit(_close_open_stores)  # the hook concurrent.futures itself uses
+except AttributeError:  # pragma: no cover - an interpreter without it: plain atexit, after the executors
+    import atexit
+
+    atexit.register(_close_open_stores)
 
 
 class TierKVStore:
@@ -87,6 +117,8 @@ class TierKVStore:
         if Tier.L3 in self.tiers:
             self._rebuild_from_l3()
             self._say_foreign_identities()
+        self._closed = False
+        _OPEN.add(self)
 
     l1 = property(lambda self: self.tiers.get(Tier.L1), doc="The L1 tier (DeviceTier) or None.")
     l2 = property(lambda self: self.tiers.get(Tier.L2), doc="The L2 tier (HostTier) or None.")
@@ -381,8 +413,37 @@ class TierKVStore:
             out["l4"] = self.l4.stats()
         return out
 
-    def close(self) -> None:
-        """Finish pending transfers (queued L4 puts included) and close files. The store is unusable afterwards."""
+    def close(self, deadline: float | None = None) -> None:
+        """Land what is queued, write the blocks that live only in L1/L2 down to L3, close the files.
+
+        Both share one deadline: ``io.shutdown_flush_s`` from now, or ``deadline`` (a
+        ``time.monotonic()`` value). Writes still queued then are dropped, counted, with one log
+        line; L3 stays consistent either way (a dropped write never reaches its records). A
+        process that exits without calling it gets it at exit (``_close_open_stores``). The store
+        is unusable afterwards; a second call does nothing. Call it from one thread, with no
+        request of this store still running."""
+        if self._closed:
+            return
+        self._closed = True
+        _OPEN.discard(self)
+        start = time.monotonic()
+        if deadline is None:
+            deadline = start + self.config.io.shutdown_flush_s
+        if deadline > start and Tier.L3 in self.tiers:
+            with self._lock:
+                l3 = self.tiers[Tier.L3]
+                for plan in self.placement.write_down(l3.capacity, _WRITE_DOWN_CHUNK):
+                    self.mover.submit(plan)
+        drained = self.transfer.io(lambda: None)
+        try:
+            drained.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            self.mover.abandon()  # the run in progress finishes; the rest is skipped, fast
+            drained.result()
+        if self.mover.dropped:
+            self.metrics.failure("store", "shutdown", self.mover.dropped, say=False)
+            log.warning("tierkv: close dropped %d queued block writes after %.1f s (io.shutdown_flush_s); "
+                        "the cache lost them, L3 is consistent", self.mover.dropped, time.monotonic() - start)
         self.transfer.close()
         if self.evictions is not None:
             self.events.flush()

@@ -162,3 +162,26 @@ def test_after_a_restart_l3_gives_the_same_text(smollm2_dir, chats, baseline, tm
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert [r[0] for r in result] == baseline
     assert result[0][1]["l3"] == cached_tokens(chats[0])
+
+
+@pytest.mark.parametrize("write", ["write_back", "write_through"])
+def test_close_leaves_every_cached_block_in_l3_for_the_next_engine(smollm2_dir, chats, baseline, tmp_path,
+                                                                   write):
+    """L2 64 MiB, L3 256 MiB, the prompts run once and the engine closes with its blocks in L1 (and,
+    under write-through, copied down already): the next engine hits every full block of each prompt
+    in L3 and answers the same. Under the default write-back ``close`` writes them down (before it
+    lost them all: 0 L3 hits on restart)."""
+    from tierkv.config import PolicyConfig
+
+    cfg = StoreConfig(l2=L2Config(capacity="64MiB"), l3=L3Config(path=str(tmp_path / "l3"), capacity="256MiB"),
+                      policy=PolicyConfig(write=write))
+    with engine(smollm2_dir, cfg) as first:
+        first.generate(chats, GREEDY)
+        if write == "write_back":
+            assert first.store.l3.used == 0  # nothing was evicted: L3 would have nothing without close
+    with engine(smollm2_dir, cfg) as again:
+        outs = again.generate(chats, GREEDY)
+    assert [o.token_ids for o in outs] == baseline
+    for chat, out in zip(chats, outs):
+        assert out.hit_tokens["l3"] + out.hit_tokens["l1"] == cached_tokens(chat)
+    assert outs[0].hit_tokens["l3"] == cached_tokens(chats[0])

@@ -28,7 +28,7 @@ import struct
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import lmdb
@@ -352,7 +352,7 @@ class DiskTier:
                 progress(n_done)  # the last slice is reported by the caller, once verified
 
         pool = _readers(max(1, self.read_depth))
-        futures = [pool.submit(read, p, k, slot * self.stride + p * part, view[p * part:(p + 1) * part])
+        futures = [_submit(pool, read, p, k, slot * self.stride + p * part, view[p * part:(p + 1) * part])
                    for p in range(parts) for k, (slot, _, _, view) in enumerate(direct)]
         for f in futures:
             f.result()
@@ -534,7 +534,7 @@ class DiskTier:
             return sums
         todo = [(keys[j], view) for _, j, view in direct]
         pacer = self.pacer
-        future = _verifier().submit(_checksums, todo, pacer) if len(direct) > 1 else None
+        future = _submit(_verifier(), _checksums, todo, pacer) if len(direct) > 1 else None
         direct.sort(key=lambda item: item[0])
         # Paced, a write goes in slices of about _PACED_BYTES, each a piece that foreground work
         # waits at most one of; unpaced, in runs of up to _MAX_RUN blocks.
@@ -659,6 +659,20 @@ def _checksums(items: list[tuple[bytes, memoryview]], pacer: Pacer = UNPACED) ->
         with pacer.piece():
             out.append(checksum(key, view))
     return out
+
+
+def _submit(pool: ThreadPoolExecutor, fn, *args) -> Future:
+    """``pool.submit``, or, once the interpreter's exit has stopped the pool's thread (a store
+    closing at exit still writes), ``fn`` run here: the same result, one thread."""
+    try:
+        return pool.submit(fn, *args)
+    except RuntimeError:
+        done: Future = Future()
+        try:
+            done.set_result(fn(*args))
+        except BaseException as exc:
+            done.set_exception(exc)
+        return done
 
 
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (owning pid, pool): a forked child makes its own
