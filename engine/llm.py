@@ -113,6 +113,9 @@ class LLM:
                 sched.loading[0].load.ready.wait(self.config.load_wait_s)
                 return []
             if sched.waiting and not sched.running:
+                if self.store.mover.queued:  # blocks pinned by copies in flight (write-through): wait
+                    self.store.flush()
+                    return []
                 seq = sched.waiting[0]
                 raise RuntimeError(f"request {seq.request_id}: {seq.num_tokens} tokens do not fit in L1 "
                                    f"(engine.num_blocks={self.config.num_blocks}, all other blocks pinned)")

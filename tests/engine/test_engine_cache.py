@@ -149,6 +149,28 @@ def test_write_through_saves_reach_l3_without_eviction(make_llm, baseline, tmp_p
     assert_hits(warm, "l3")
 
 
+def test_a_prompt_waits_for_write_through_copies_that_pin_l1(make_llm, tmp_path) -> None:
+    """Write-through pins a finished prompt's L1 blocks until their copies land. With L1 too small
+    for the next prompt beside them, the engine waits for the copies (here held back 0.5 s behind a
+    busy IO thread) instead of failing with "do not fit in L1"."""
+    import dataclasses
+    import threading
+
+    from tierkv.config import PolicyConfig
+    from tierkv.engine import SamplingParams
+
+    cfg = dataclasses.replace(store_config(tmp_path / "l3", l2=0), policy=PolicyConfig(write="write_through"))
+    llm = make_llm(cfg, num_blocks=10)
+    first, second = prompts(2, base=90, seed=3)  # 6 blocks each with their output: 12 > 10
+    gate = threading.Event()
+    llm.store.transfer.io(gate.wait, 30)
+    llm.generate([first], SamplingParams(max_tokens=4))
+    assert llm.store.mover.queued  # its copies wait behind the gate, its blocks pinned
+    threading.Timer(0.5, gate.set).start()
+    out = llm.generate([second], SamplingParams(max_tokens=4))[0]
+    assert len(out.token_ids) == 4 and gate.is_set()
+
+
 def test_the_step_is_the_stores_foreground_work(make_llm) -> None:
     """Every forward runs inside ``store.foreground()``, so background IO is paced around it."""
     llm = make_llm()
