@@ -160,9 +160,7 @@ class Mover:
                         moves += run
                         flags += [False] * len(run)
                         self.dropped += len(run)
-                        relayed = [m for m in run if m.remove_src]
-                        if relayed:  # the source slot goes as planned: the block is lost, not kept twice
-                            self._drop([Drop(m.entry.key, m.src) for m in relayed])
+                        self._drop_relayed(run)  # as planned: the block is lost, not kept twice
                     else:
                         moves += run
                         flags += self._put(run)
@@ -215,10 +213,14 @@ class Mover:
             self._sync()  # a device->host copy the put issued has landed before the commit lists it
             for i, flag in zip(todo, ok):
                 out[i] = bool(flag)
-        relayed = [m for m in run if m.remove_src]
-        if relayed:
-            self._drop([Drop(m.entry.key, m.src) for m in relayed])
+        self._drop_relayed(run)
         return out
+
+    def _drop_relayed(self, run: list[Move]) -> None:
+        """Remove from their source the blocks of ``run`` relayed down (an L3 victim sent to L4)."""
+        relayed = [Drop(m.entry.key, m.src) for m in run if m.remove_src]
+        if relayed:
+            self._drop(relayed)
 
 
 def _runs(ops: list[Move | Drop]) -> list[list[Move | Drop]]:

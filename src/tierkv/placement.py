@@ -261,15 +261,13 @@ class Placement:
         L2, at most ``limit``, shallowest first: roots before their children, so whatever prefix of
         the plans lands is a set of chains a restart can match. L3 makes room as for any write (its
         policy's victims go first). For ``close``."""
-        held = [e for e in self.index.entries()
-                if e.mask and not e.in_tier(Tier.L3) and e.key not in self.persisting
-                and (e.in_tier(Tier.L1) or e.in_tier(Tier.L2))]
-        held.sort(key=lambda e: e.depth)
+        held = sorted((e for e in self.index.entries() if e.best in MEMORY and not e.in_tier(Tier.L3)
+                       and e.key not in self.persisting), key=lambda e: e.depth)[:limit]
         plans = []
-        for i in range(0, min(limit, len(held)), chunk):
+        for i in range(0, len(held), chunk):
             plan = Plan()
-            self.copies(held[i:min(i + chunk, limit)], Tier.L3, plan)
-            self.persisting.update(e.key for e in held[i:min(i + chunk, limit)])
+            self.copies(held[i:i + chunk], Tier.L3, plan)
+            self.persisting.update(e.key for e in held[i:i + chunk])
             plans.append(plan)
         return plans
 
