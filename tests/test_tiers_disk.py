@@ -136,6 +136,29 @@ def test_a_key_twice_in_one_put_takes_one_slot(tmp_path):
     tier.close()
 
 
+def test_a_stale_bad_read_never_frees_a_slot_another_block_now_holds(tmp_path):
+    """A reader's record goes stale when another process removes the block, reuses its slot and
+    puts the same key again elsewhere (same key and bytes: same checksum). Removing the stale
+    record must not free the slot the newer block lives in: a later put would overwrite it."""
+    hook = Hook()
+    tier = DiskTier(tmp_path / "l3", LAYOUT, 3, on_failure=hook)
+    k, other, later = key_of("stale"), key_of("stale", "other"), key_of("stale", "later")
+    put_keys_as = lambda keys: tier.put(keys, [block_for(x, LAYOUT) for x in keys])
+    assert put_keys_as([k]) == [True]
+    stale = next(r for r in tier.records() if r.key == k)
+    tier.remove([k])
+    assert put_keys_as([other, k]) == [True, True]       # other takes k's old slot, k a new one
+    slots = {r.key: r.slot for r in tier.records()}
+    assert slots[other] == stale.slot != slots[k]
+    tier._remove_if_unchanged([stale])                      # what a read of the stale record does
+    assert put_keys_as([later]) == [True]
+    slots = {r.key: r.slot for r in tier.records()}
+    assert len(set(slots.values())) == 3, f"two records share a slot: {slots}"
+    assert read_ok(tier, [k, other, later]) == [True, True, True]
+    assert hook.count("corrupt") == 0
+    tier.close()
+
+
 @pytest.mark.parametrize("aligned", [True, False], ids=["aligned", "bounce"])
 def test_flipped_bytes_are_counted_misses_and_removed(tmp_path, aligned):
     hook = Hook()

@@ -605,11 +605,17 @@ class DiskTier:
             self._on_failure("l3", "index", len(items), f"{self.path}: {exc}")
 
     def _remove_if_unchanged(self, recs: list[Record]) -> None:
+        """Delete records a read found bad, where the index still holds that very record, and
+        free their slots. The same key put again since (by another process, after a remove) has
+        the same checksum but another slot and time: it is a different record and stays, and
+        the stale slot, which a newer block may hold, is not freed a second time."""
         try:
             with self._env.begin(write=True) as txn:
                 for rec in recs:
                     raw = txn.get(rec.key, db=self._blocks)
-                    if raw is not None and Record(rec.key, raw).checksum == rec.checksum:
+                    now = _parse(rec.key, raw) if raw is not None else None
+                    if now is not None and (now.slot, now.checksum, now.created) == (
+                            rec.slot, rec.checksum, rec.created):
                         txn.delete(rec.key, db=self._blocks)
                         txn.put(_SLOT.pack(rec.slot), b"", db=self._free)
         except lmdb.Error as exc:
