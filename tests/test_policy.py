@@ -391,3 +391,55 @@ def test_ghosts_have_an_absolute_cap(monkeypatch):
     index = index_with("hit_density")
     run_stream(index, [k(f"y{i}") for i in range(3000)], 500)  # 4 x 500 would allow 2,064
     assert len(index.policies[L1].ghosts) == 100
+
+
+def policy_state_bytes(policy: HitDensityPolicy) -> int:
+    """What hit_density keeps per block, walked object by object: its ghosts (dict, keys, values;
+    a ghost's key outlives the block) and its class queues (bucket dicts, deques, key heaps)."""
+    import sys
+
+    ghosts = policy.ghosts
+    n = sys.getsizeof(ghosts) + sum(sys.getsizeof(key) + sys.getsizeof(v) for key, v in ghosts.items())
+    for q in policy._queues:
+        n += sys.getsizeof(q.buckets) + sys.getsizeof(q.keys)
+        n += sum(sys.getsizeof(key) + sys.getsizeof(bucket) for key, bucket in q.buckets.items())
+    return n
+
+
+@pytest.mark.parametrize("share", [0.01, 0.02])
+def test_the_policy_state_stays_within_its_share_of_the_tier_at_smollm2_block_size(share):
+    # SmolLM2-135M's bf16 block of 16 tokens: 30 layers x 2 x 3 KV heads x 64 x 16 x 2 bytes.
+    from tierkv.policy.hit_density import GHOST_BYTES, ghosts_for
+
+    block_bytes, capacity = 30 * 2 * 3 * 64 * 16 * 2, 400
+    factor = ghosts_for(block_bytes, share)
+    assert factor == (11 if share == 0.01 else 27)
+    index = PrefixIndex([make_policy("hit_density", t, ghost_factor=factor) for t in (L1, L2, Tier.L3)])
+    policy = index.policies[L1]
+    # Single-block requests, each at its own clock (a queue bucket per block, the worst case),
+    # with a tail of returns so that ghosts are made, kept and found.
+    stream = [k(f"s{i - 2000}" if i % 4 == 0 and i >= 2000 else f"s{i}") for i in range(30000)]
+    run_stream(index, stream, capacity)
+    # Full (the bound is what is measured): trimmed while a new block is in, so one block more.
+    assert factor * capacity + 64 <= len(policy.ghosts) <= factor * (capacity + 1) + 64
+    used = policy_state_bytes(policy)
+    # The 64 ghosts every tier may keep above the factor (and the new block's) are the only allowance.
+    assert used <= share * block_bytes * capacity + (64 + factor) * GHOST_BYTES, (used, share * block_bytes * capacity)
+    unbounded = PrefixIndex([make_policy("hit_density", t) for t in (L1, L2, Tier.L3)])
+    run_stream(unbounded, stream, capacity)
+    assert policy_state_bytes(unbounded.policies[L1]) > share * block_bytes * capacity  # 64 would not fit
+
+
+def test_the_store_sets_ghosts_from_policy_metadata_share(make_store):
+    from _kv import LAYOUT
+
+    from tierkv.policy.hit_density import GHOST_FACTOR, ghosts_for
+
+    for share, expect in ((1.0, min(GHOST_FACTOR, ghosts_for(LAYOUT.block_bytes, 1.0))), (0.0, 0)):
+        store = make_store(l1=4, l2=4, l3=0, policy=PolicyConfig(name="hit_density", metadata_share=share))
+        assert [p.ghost_factor for p in store.index.policies if p is not None] == [expect, expect]
+    for bad in (-0.1, 1.5, "1%", True):
+        with pytest.raises(ValueError, match="policy.metadata_share"):
+            PolicyConfig(metadata_share=bad)
+    with pytest.raises(ValueError, match="ghost_factor"):
+        make_policy("hit_density", L1, ghost_factor=65)

@@ -458,6 +458,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--half-life", type=float, default=2000.0, help="reuse decay half-life in lookups")
     p.add_argument("--reuse-exponent", type=float, default=None,
                    help="cost_aware: power-law decay of the reuse hazard with age (default: the policy's)")
+    p.add_argument("--ghost-factor", type=int, default=None,
+                   help="hit_density: ghosts kept per block of a tier (default: the most, 64; the store "
+                        "sets it from policy.metadata_share and the block size)")
     p.add_argument("--oracle-window", type=float, default=None,
                    help=f"{REUSE_ORACLE}: count a block as used again only within this many requests (default: ever)")
     p.add_argument("--recompute-us", type=float, default=100.0, help="multi-tier: prefill µs/token at depth 0")
@@ -551,6 +554,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     # still collected as in a store.
     gc.freeze()
     options = {} if args.reuse_exponent is None else {"reuse_exponent": args.reuse_exponent}
+    if args.ghost_factor is not None:
+        options["ghost_factor"] = args.ghost_factor
     options["native"] = None if args.native else False
     options["outputs"] = load_outputs(args.trace) if args.output_hint else None
     if args.oracle_window is not None:

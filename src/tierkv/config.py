@@ -163,12 +163,16 @@ class PolicyConfig:
 
     ``reuse_exponent``: cost_aware's power-law decay of the reuse hazard with a
     block's age (see docs/replay.md; ``tools/replay.py --reuse-exponent`` tries others).
+    ``metadata_share``: the most of a tier's bytes the policy's per-block state may take
+    (hit_density's ghosts; 0..1, default 1 %): ``hit_density.ghosts_for`` turns it into ghosts
+    per block for the store's block size.
     """
 
     name: str = "hit_density"
     write: str = "write_back"
     half_life: float = 2000.0
     reuse_exponent: float = 0.75
+    metadata_share: float = 0.01
 
     WRITES = ("write_back", "write_through", "write_through_selective")
 
@@ -177,6 +181,9 @@ class PolicyConfig:
         _check_choice(self.write, "policy.write", self.WRITES)
         _check_float(self.half_life, "policy.half_life", 0.0, strict=True)
         _check_float(self.reuse_exponent, "policy.reuse_exponent", 0.0, strict=True)
+        if _check_float(self.metadata_share, "policy.metadata_share", 0.0) > 1.0:
+            raise ValueError(f"policy.metadata_share: expected a share of the tier's bytes in 0..1, "
+                             f"got {self.metadata_share!r}")
 
 
 @dataclass(frozen=True)

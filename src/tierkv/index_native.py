@@ -51,9 +51,9 @@ static Py_ssize_t E_key, E_parent, E_depth, E_mask, E_best, E_l1, E_ref, E_last,
     E_children, E_handles;
 static Py_ssize_t Q_tier, Q_tag, Q_buckets, Q_keys, Q_live, Q_stored;
 static Py_ssize_t H_tier, H_index, H_queues, H_scored, H_scores, H_scored_clock, H_scored_version, H_benefit,
-    H_hit_hist, H_end_hist, H_density, H_events, H_period, H_updates, H_ghosts, H_counts, H_ghost_hits;
+    H_hit_hist, H_end_hist, H_density, H_events, H_period, H_updates, H_ghosts, H_counts, H_ghost_hits, H_ghost_factor;
 static PyObject *s_append, *s_popleft, *s_discard, *s_add, *s_touch, *s_pop, *s_pop_after, *s_sweep, *s_update,
-    *s_benefit_at, *s_popitem, *s_stored_keys, *s_removed, *s_notify, *s_ev_listeners, *s_clock, *s_queue, *s_gf, *s_mg, *s_observe,
+    *s_benefit_at, *s_popitem, *s_stored_keys, *s_removed, *s_notify, *s_ev_listeners, *s_clock, *s_queue, *s_mg, *s_observe,
     *s_entries, *s_uncached, *s_policies, *s_admits, *s_events, *s_counts, *s_listeners, *s_observing, *s_decay,
     *s_priority, *s_taken, *s_rekey, *s_priority_by_key;
 static int ready = 0;
@@ -422,19 +422,19 @@ static double hd_score(PyObject *self, long c, long age, long depth) {
   return (at + (next - at) * frac) * ben;
 }
 
-/* GHOST_FACTOR and MAX_GHOSTS (module globals, read per use like the Python code; an evict call
-   reads them once: nothing it calls assigns them). */
+/* The policy's ghost_factor (its own slot) and MAX_GHOSTS (a module global, read per use like the
+   Python code; an evict call reads it once: nothing it calls assigns it). */
 static __thread int limits_cached = 0;
-static __thread long cached_factor, cached_cap;
+static __thread long cached_cap;
 
-static int ghost_limits(long *factor, long *cap) {
-  if (limits_cached) { *factor = cached_factor; *cap = cached_cap; return 0; }
-  PyObject *f = PyDict_GetItemWithError(hd_globals, s_gf), *m = PyDict_GetItemWithError(hd_globals, s_mg);
-  if (f == NULL || m == NULL) {
-    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "hit_density: GHOST_FACTOR/MAX_GHOSTS missing");
+static int ghost_limits(PyObject *self, long *factor, long *cap) {
+  *factor = L(self, H_ghost_factor);
+  if (limits_cached) { *cap = cached_cap; return 0; }
+  PyObject *m = PyDict_GetItemWithError(hd_globals, s_mg);
+  if (m == NULL) {
+    if (!PyErr_Occurred()) PyErr_SetString(PyExc_RuntimeError, "hit_density: MAX_GHOSTS missing");
     return -1;
   }
-  *factor = PyLong_AsLong(f);
   *cap = PyLong_AsLong(m);
   return 0;
 }
@@ -442,7 +442,7 @@ static int ghost_limits(long *factor, long *cap) {
 static int hd_trim_ghosts(PyObject *self, long now) {
   PyObject *ghosts = SLOT(self, H_ghosts), *ends = SLOT(self, H_end_hist);
   long factor, cap;
-  if (ghost_limits(&factor, &cap) < 0) return -1;
+  if (ghost_limits(self, &factor, &cap) < 0) return -1;
   long limit = factor * LI(SLOT(self, H_counts), L(self, H_tier)) + 64;
   if (cap < limit) limit = cap;
   while (PyObject_Size(ghosts) > limit) {
@@ -529,7 +529,7 @@ static PyObject *hd_take(PyObject *self, PyObject *extra, int extra_c) {
     Py_DECREF(g);
     if (rc < 0) goto fail;
     long factor, cap, n = PyObject_Size(ghosts);
-    if (ghost_limits(&factor, &cap) < 0) goto fail;
+    if (ghost_limits(self, &factor, &cap) < 0) goto fail;
     if (n > factor * LI(SLOT(self, H_counts), tier) + 64 || n > cap)
       if (hd_trim_ghosts(self, now) < 0) goto fail;
   }
@@ -1433,11 +1433,11 @@ static PyObject *impl_evict(PyObject *m, PyObject *const *args, Py_ssize_t nargs
   Py_DECREF(clk);
   clock_index = index;
   int saved_cached = limits_cached;
-  long saved_factor = cached_factor, saved_cap = cached_cap;
+  long saved_cap = cached_cap, unused_factor;
   if (pol_init(&pol, PyList_GET_ITEM(policies, tier)) < 0) { pol.kind = -1; goto done; }
   if (pol.kind == 2) {
     limits_cached = 0;
-    if (ghost_limits(&cached_factor, &cached_cap) < 0) goto done;
+    if (ghost_limits(pol.policy, &unused_factor, &cached_cap) < 0) goto done;
     limits_cached = 1;
   }
   if (pol.kind == 3) {
@@ -1478,7 +1478,6 @@ done:
   clock_index = saved_index;
   clock_value = saved_clock;
   limits_cached = saved_cached;
-  cached_factor = saved_factor;
   cached_cap = saved_cap;
   pol_clear(&pol);
   Py_XDECREF(entry); Py_XDECREF(exposed); Py_DECREF(policies);
@@ -1628,6 +1627,7 @@ static PyObject *py_setup(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   OFF(HdT, "hit_hist", H_hit_hist); OFF(HdT, "end_hist", H_end_hist); OFF(HdT, "density", H_density);
   OFF(HdT, "_events", H_events); OFF(HdT, "_period", H_period); OFF(HdT, "updates", H_updates);
   OFF(HdT, "ghosts", H_ghosts); OFF(HdT, "_counts", H_counts); OFF(HdT, "ghost_hits", H_ghost_hits);
+  OFF(HdT, "ghost_factor", H_ghost_factor);
   OFF(HeapT, "tier", P_tier); OFF(HeapT, "index", P_index); OFF(HeapT, "_heap", P_heap); OFF(HeapT, "_seq", P_seq);
   OFF(HeapT, "_size", P_size);
   OFF(CostT, "beta", C_beta); OFF(CostT, "_inv_beta", C_inv_beta); OFF(CostT, "_benefit", C_benefit);
@@ -1637,7 +1637,7 @@ static PyObject *py_setup(PyObject *m, PyObject *const *a, Py_ssize_t n) {
   STR(s_touch, "touch"); STR(s_pop, "pop"); STR(s_pop_after, "pop_after"); STR(s_sweep, "_sweep");
   STR(s_update, "_update"); STR(s_benefit_at, "_benefit_at"); STR(s_popitem, "popitem"); STR(s_stored_keys, "stored_keys"); STR(s_ev_listeners, "_listeners");
   STR(s_removed, "removed"); STR(s_notify, "_notify_removed"); STR(s_clock, "clock"); STR(s_queue, "_queue");
-  STR(s_gf, "GHOST_FACTOR"); STR(s_mg, "MAX_GHOSTS"); STR(s_observe, "observe"); STR(s_entries, "_entries");
+  STR(s_mg, "MAX_GHOSTS"); STR(s_observe, "observe"); STR(s_entries, "_entries");
   STR(s_uncached, "_uncached_parents"); STR(s_policies, "policies"); STR(s_admits, "_admits");
   STR(s_events, "events"); STR(s_counts, "counts"); STR(s_listeners, "_removal_listeners");
   STR(s_observing, "_observing"); STR(s_decay, "_decay"); STR(s_priority, "priority"); STR(s_taken, "taken");

@@ -99,7 +99,7 @@ class TierKVStore:
         measured = calibrate(layout.block_bytes, layout.block_size, device=str(device),
                              disk_dir=cfg.l3.path if Tier.L3 in self.tiers else None) if cfg.cost.calibrate else None
         self.cost = CostModel.from_config(cfg.cost, layout.block_bytes, layout.block_size, measured)
-        self.index = PrefixIndex(make_policies(cfg, self.tiers, self.cost), cfg.policy.half_life)
+        self.index = PrefixIndex(make_policies(cfg, self.tiers, self.cost, layout.block_bytes), cfg.policy.half_life)
         self.events = self.index.events = TierEvents(self._lock)
         self.transfer = TransferEngine(device)
         self.pacer = Pacer(cfg.io.background_share)

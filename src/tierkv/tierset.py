@@ -15,6 +15,7 @@ from tierkv.index import LOCAL_TIERS, Tier
 from tierkv.layout import KVLayout
 from tierkv.outbox import Outbox
 from tierkv.policy import make_policy
+from tierkv.policy.hit_density import ghosts_for
 from tierkv.tiers.base import BlockTier, FailureHook
 from tierkv.tiers.device import DeviceTier
 from tierkv.tiers.disk import DiskTier
@@ -53,11 +54,14 @@ def open_tiers(cfg: StoreConfig, layout: KVLayout, l1_blocks: int | None,
     return tiers, outbox
 
 
-def make_policies(cfg: StoreConfig, tiers: dict[int, BlockTier], cost: CostModel) -> list:
-    """One eviction policy per local tier (None where the tier is absent), told the tier below it."""
+def make_policies(cfg: StoreConfig, tiers: dict[int, BlockTier], cost: CostModel, block_bytes: int) -> list:
+    """One eviction policy per local tier (None where the tier is absent), told the tier below it;
+    hit_density keeps as many ghosts per block as ``policy.metadata_share`` of ``block_bytes`` allows."""
     out = []
     for tier in LOCAL_TIERS:
         lower = next((t for t in range(tier + 1, Tier.L4 + 1) if t in tiers), None)
         out.append(make_policy(cfg.policy.name, tier, lower=lower, cost=cost, half_life=cfg.policy.half_life,
-                               reuse_exponent=cfg.policy.reuse_exponent) if tier in tiers else None)
+                               reuse_exponent=cfg.policy.reuse_exponent,
+                               ghost_factor=ghosts_for(block_bytes, cfg.policy.metadata_share))
+                   if tier in tiers else None)
     return out

@@ -87,6 +87,19 @@ _DECAY = 0.95
 # SmolLM2-135M one; MAX_GHOSTS bounds the total for tiers of small blocks.
 GHOST_FACTOR = 64
 MAX_GHOSTS = 1 << 20  # ~200 MB of keys at most per tier, whatever its size
+# What the budget below counts per ghost and per listed block: a ghost measured 186 B on
+# average (tracemalloc, 200k ghosts) and up to ~230 B just after the dict grows; a listed
+# block's place in its class queue is a deque slot when the blocks of a request share a
+# bucket, and at worst a bucket of its own (a deque, 837 B measured) when every block has
+# its own last use: the budget takes the worst.
+GHOST_BYTES, LISTED_BYTES = 240, 840
+
+
+def ghosts_for(block_bytes: int, share: float) -> int:
+    """Ghosts per block that keep the policy's per-block state within ``share`` of the tier's
+    bytes (``policy.metadata_share``): at 1 %, 11 for SmolLM2-135M's 360 KiB bf16 block of 16
+    tokens, 27 for its fp32 one, 64 (the most) from 1.6 MiB blocks on (docs/design.md §6)."""
+    return max(0, min(GHOST_FACTOR, int((share * block_bytes - LISTED_BYTES) // GHOST_BYTES)))
 # Lives read per update at most (of each kind: cached blocks, ghosts), beyond that a strided sample.
 _ALIVE_SAMPLE = 1 << 17
 # Scale of the density given to ages past a class's last observed hit.
@@ -156,12 +169,17 @@ class HitDensityPolicy(EvictionPolicy):
     # Slots: the C hot path (tierkv.index_native) reads and writes these by offset.
     __slots__ = ("tier", "index", "cost", "lower", "_queues", "_scored", "_scores", "_scored_clock",
                  "_scored_version", "_benefit", "hit_hist", "end_hist", "density", "_events", "_period",
-                 "updates", "ghosts", "_counts", "ghost_hits")
+                 "updates", "ghosts", "_counts", "ghost_hits", "ghost_factor")
 
-    def __init__(self, tier: int, cost: CostModel | None = None, lower: int | None = None, **_context) -> None:
+    def __init__(self, tier: int, cost: CostModel | None = None, lower: int | None = None,
+                 ghost_factor: int = GHOST_FACTOR, **_context) -> None:
         """``cost`` prices a reuse kept in this tier (the store's model; a flat one if None);
-        ``lower`` is the tier a victim demotes to (None: it is dropped)."""
+        ``lower`` is the tier a victim demotes to (None: it is dropped); ``ghost_factor``: ghosts
+        kept per block of the tier (the store sets it from ``policy.metadata_share``: ``ghosts_for``)."""
         super().__init__(tier)
+        if not isinstance(ghost_factor, int) or isinstance(ghost_factor, bool) or not 0 <= ghost_factor <= GHOST_FACTOR:
+            raise ValueError(f"hit_density ghost_factor: expected an integer in 0..{GHOST_FACTOR}, got {ghost_factor!r}")
+        self.ghost_factor = ghost_factor
         self.cost = cost if cost is not None else CostModel.units(0.0)
         self.lower = lower
         self._queues = [AgeQueue(tier, c) for c in range(CLASSES)]
@@ -230,7 +248,7 @@ class HitDensityPolicy(EvictionPolicy):
     def _trim_ghosts(self, now: int) -> None:
         """The oldest ghosts past the limit end their lives unreused; the limit follows the tier's size."""
         ghosts, ends = self.ghosts, self.end_hist
-        limit = min(GHOST_FACTOR * self._counts[self.tier] + 64, MAX_GHOSTS)
+        limit = min(self.ghost_factor * self._counts[self.tier] + 64, MAX_GHOSTS)
         popitem = ghosts.popitem
         while len(ghosts) > limit:
             _, ghost = popitem(last=False)
@@ -281,7 +299,7 @@ class HitDensityPolicy(EvictionPolicy):
         # index every few lookups. In a one-tier replay the period is the tier's size.
         own = self._counts[self.tier]
         foreign = len(self.index) - own if self.index is not None else 0
-        self._period = max(_MIN_PERIOD, own, foreign + len(self.ghosts) // (GHOST_FACTOR + 1))
+        self._period = max(_MIN_PERIOD, own, foreign + len(self.ghosts) // (self.ghost_factor + 1))
         ended = [[e + a for e, a in zip(ends, live)] for ends, live in zip(self.end_hist, alive)]
         pooled_hits = [sum(h[b] for h in self.hit_hist) for b in range(BINS)]
         pooled_ends = [sum(e[b] for e in ended) for b in range(BINS)]
@@ -418,7 +436,7 @@ class HitDensityPolicy(EvictionPolicy):
         # Bury it: a ghost until it returns (admit) or the oldest ghosts pass the limit.
         ghosts = self.ghosts
         ghosts[best.key] = best_last << TAG_BITS | best_c
-        if len(ghosts) > GHOST_FACTOR * self._counts[self.tier] + 64 or len(ghosts) > MAX_GHOSTS:
+        if len(ghosts) > self.ghost_factor * self._counts[self.tier] + 64 or len(ghosts) > MAX_GHOSTS:
             self._trim_ghosts(now)
         self._events += 1
         if self._events >= self._period:
