@@ -11,8 +11,8 @@ L1 (``--num-blocks``), L2 and L3, so blocks churn through every tier, and the of
   the first answer, token for token — the check that the cache gave back the right KV;
 - one in ten streams, and half of those leave after the first chunk (an abort).
 
-Every prompt is at most 1,500 tokens (a conversation that would pass it ends) and every
-answer 8 tokens (``ignore_eos``). The RSS of the server process is sampled after each request.
+A conversation that would pass 1,500 tokens ends (with the chat template and re-tokenised
+text, prompts measured 46-1,520 tokens) and every answer is 8 tokens (``ignore_eos``). The RSS of the server process is sampled after each request.
 Requests 100-200 and the last 100 run the same request shapes (lengths, turns, replays,
 streams; fresh text), both starting with no conversation open, so their latencies compare
 the server at two ages on one workload.

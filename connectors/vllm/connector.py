@@ -17,6 +17,8 @@ recomputed rather than failing its request.
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -33,6 +35,23 @@ from tierkv.connectors.vllm.stats import TierKVPromMetrics, TierKVStats
 from tierkv.connectors.vllm.worker import ConnectorWorker
 
 log = logging.getLogger("tierkv.connectors.vllm")
+
+
+# vLLM's multiprocess executor gives a worker VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS (5) to leave,
+# then SIGTERMs it and SIGKILLs it 4 s later; a SIGTERM from outside (a stop of the whole
+# process group) starts that clock too. The store's close must be done before the kill.
+_KILL_AFTER_SIGTERM_S, _MARGIN_S = 4.0, 1.5
+
+
+def shutdown_deadline(flush_s: float, now: float | None = None) -> float:
+    """When the store's close must be done (a ``time.monotonic()`` value): ``io.shutdown_flush_s``
+    from now, or sooner, ``_MARGIN_S`` before vLLM would SIGKILL the worker."""
+    try:
+        grace = float(os.environ.get("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "5"))
+    except ValueError:
+        grace = 5.0
+    now = time.monotonic() if now is None else now
+    return now + max(0.0, min(flush_s, grace + _KILL_AFTER_SIGTERM_S - _MARGIN_S))
 
 
 def local_only(config: StoreConfig, reason: str) -> StoreConfig:
@@ -163,12 +182,14 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         """Finish this half (the worker lands its queued saves; see ``ConnectorWorker.shutdown``) and
-        release the store. Idempotent: vLLM may call it from more than one place."""
+        release the store: the last release closes it, writing L2-only blocks down to L3, all
+        within ``shutdown_deadline``. Idempotent: vLLM may call it from more than one place."""
         if self.store is None:
             return
+        deadline = shutdown_deadline(self.store.config.io.shutdown_flush_s)
         if self._worker is not None:
             self._worker.shutdown()
         if self._scheduler is not None:
             self._scheduler.shutdown()
         store, self.store = self.store, None
-        release_store(store)
+        release_store(store, deadline)

@@ -59,8 +59,9 @@ def acquire_store(config: StoreConfig, layout: KVLayout, role: str, identity: Mo
         return entry[0]
 
 
-def release_store(store: TierKVStore) -> None:
-    """Drop one use of ``store``; the last one closes it (finishes queued writes, closes files)."""
+def release_store(store: TierKVStore, deadline: float | None = None) -> None:
+    """Drop one use of ``store``; the last one closes it (``TierKVStore.close(deadline)``: lands
+    queued writes, writes L2-only blocks down to L3, closes files)."""
     with _lock:
         for key, entry in list(_stores.items()):
             if entry[0] is store:
@@ -71,4 +72,4 @@ def release_store(store: TierKVStore) -> None:
                 break
         else:
             return
-    store.close()
+    store.close(deadline)
