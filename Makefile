@@ -80,6 +80,9 @@ bench: setup system-deps
 		$(MAKE) --no-print-directory $(VLLM_STAMP) && \
 		$(VLLM_ENV) $(VLLM_PY) bench/vllm_e2e.py $(BENCH_ARGS) --check --json $(RESULTS)/vllm_e2e.json \
 			|| fail="$$fail vllm_e2e"; \
+		echo "== bench/vllm_load.py (.venv-vllm)"; \
+		$(VLLM_ENV) $(VLLM_PY) bench/vllm_load.py $(BENCH_ARGS) --check --json $(RESULTS)/vllm_load.json \
+			|| fail="$$fail vllm_load"; \
 	fi; \
 	$(PY) bench/summary.py $(RESULTS); \
 	if [ -n "$$fail" ]; then echo "bench: a target missed or a benchmark failed in:$$fail"; exit 1; fi
