@@ -18,6 +18,13 @@ their rounds interleaved in a rotating order (each waits out vLLM's 1 s idle spi
   limited cache holds at once: what a perfect offload could do, since vLLM can only compute
   users whose KV is in its cache (graded too: ``tierkv_round_s <= 1.25 x waves_round_s``).
 
+The serve driver (``--driver serve``; both by default) runs the same rounds on one ``vllm
+serve`` per contender (base, tierkv with an L3 of its own, ideal; ``--enforce-eager`` for all):
+U concurrent streaming clients of the official ``openai`` client per round, prompts as token
+ids, TTFT per request from its stream (the first chunk carrying a token id), rounds >= 2
+graded: ``tierkv_ttft_p90_ms <= 1.3 x ideal_ttft_p90_ms``; ``serve_identical`` compares every
+streamed id (``return_token_ids``).
+
 Saves run inside the timed rounds (nothing waits for writes between rounds). Graded on the
 mean of rounds >= 2: ``tierkv_round_s <= 1.25 x ideal_round_s`` and ``base_round_s >= 3 x
 tierkv_round_s``; ``identical``: every generated id of every request equal across all four.
@@ -31,7 +38,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +48,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import finish, parser, print_table, target  # noqa: E402
-from vllm_e2e import ENV, Engine, argparse_hidden, default_omp_bind  # noqa: E402
+from vllm_e2e import ENV, SETTLE_S, Engine, argparse_hidden, default_omp_bind  # noqa: E402
 
 BLOCK, ANSWER, CONTEXT = 128, 16, 640
 ENV["VLLM_CPU_KVCACHE_SPACE"] = "2"  # the engines' environment (vllm_e2e's dict): room for ideal's cache
@@ -134,6 +143,116 @@ def blocks_needed(ctx: list[list[int]], questions: list[list[int]], rounds: int)
     return sum(math.ceil(n / BLOCK) for n in per)
 
 
+class Server:
+    """``vllm serve`` (its api_server module: vllm-cpu's ``vllm`` command cannot start, see
+    tests/vllm/test_e2e_serve.py) in a session of its own."""
+
+    def __init__(self, name: str, model: Path, nblocks: int, max_len: int, xfer: dict | None, work: Path) -> None:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port = sock.getsockname()[1]
+        self.name = name
+        argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--seed", "0",
+                "--max-model-len", str(max_len), "--num-gpu-blocks-override", str(nblocks),
+                "--max-num-batched-tokens", "4096", "--enable-prefix-caching", "--served-model-name", "m",
+                "--enforce-eager"]  # no torch.compile warm-up: minutes on 2 cores, for every contender alike
+        if xfer is not None:
+            argv += ["--kv-transfer-config", json.dumps(xfer)]
+        self.log = open(work / f"serve-{name}.log", "w")
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     env={**os.environ, **ENV})
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def wait_ready(self, timeout: float = 1200) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.name}: vllm serve exited ({self.proc.returncode}); see {self.log.name}")
+            try:
+                urllib.request.urlopen(self.url + "/health", timeout=5).read()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.name}: vllm serve not up in {timeout} s; see {self.log.name}")
+                time.sleep(1)
+
+    def stop(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=60)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait()
+        self.log.close()
+
+
+def stream_one(client, prompt: list[int]) -> tuple[float, list[int]]:
+    """One streamed completion: (seconds to the first generated token, the generated ids)."""
+    t0 = time.perf_counter()
+    ttft, out = None, []
+    stream = client.completions.create(model="m", prompt=prompt, max_tokens=ANSWER, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True, "return_token_ids": True})
+    for chunk in stream:
+        for choice in chunk.choices:
+            ids = getattr(choice, "token_ids", None) or (choice.model_extra or {}).get("token_ids") or []
+            if ids and ttft is None:
+                ttft = time.perf_counter() - t0
+            out.extend(ids)
+    return (ttft if ttft is not None else float("nan")), out
+
+
+def run_serve(model: Path, ctx: list[list[int]], questions: list[list[int]], rounds: int,
+              specs: dict[str, tuple[int, dict | None]], max_len: int, work: Path) -> dict:
+    """U concurrent streaming clients (the official ``openai`` client) per round on one ``vllm serve``
+    per contender, rounds interleaved in a rotating order: TTFT of every request, and its ids."""
+    import openai
+    from concurrent.futures import ThreadPoolExecutor
+
+    servers = {name: Server(name, model, nblocks, max_len, x, work) for name, (nblocks, x) in specs.items()}
+    convo = {name: [list(c) for c in ctx] for name in specs}
+    ttft: dict[str, list[float]] = {name: [] for name in specs}
+    round_s: dict[str, list[float]] = {name: [] for name in specs}
+    ids: dict[str, list] = {name: [] for name in specs}
+    try:
+        for srv in servers.values():
+            srv.wait_ready()
+        clients = {name: openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0, timeout=900)
+                   for name, srv in servers.items()}
+        order = list(specs)
+        with ThreadPoolExecutor(len(ctx)) as pool:
+            for r in range(rounds):
+                q = questions[r % len(questions)]
+                for name in order[r % len(order):] + order[: r % len(order)]:
+                    time.sleep(SETTLE_S)
+                    prompts = [c + q for c in convo[name]]
+                    t0 = time.perf_counter()
+                    got = list(pool.map(lambda pr, c=clients[name]: stream_one(c, pr), prompts))
+                    round_s[name].append(time.perf_counter() - t0)
+                    if r:
+                        ttft[name].extend(t for t, _ in got)
+                    ids[name].append([g for _, g in got])
+                    convo[name] = [pr + g for pr, (_, g) in zip(prompts, got)]
+                print("  serve round " + str(r + 1) + ": " + "  ".join(f"{n} {round_s[n][-1]:.2f} s" for n in specs),
+                      flush=True)
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    out = {"serve_identical": all(ids[n] == ids["base"] for n in specs), "serve_round_s": round_s}
+    for name in specs:
+        xs = sorted(ttft[name])
+        out[f"{name}_ttft_p50_ms"] = 1e3 * statistics.median(xs)
+        out[f"{name}_ttft_p90_ms"] = 1e3 * statistics.quantiles(xs, n=10, method="inclusive")[8]
+    return out
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--child", help=argparse_hidden())
@@ -142,6 +261,8 @@ def main() -> None:
     p.add_argument("--model", help="model directory (default: tierkv model pull smollm2-135m-instruct)")
     p.add_argument("--omp-bind", default=default_omp_bind(),
                    help="VLLM_CPU_OMP_THREADS_BIND of every engine (default: all cores but the last)")
+    p.add_argument("--driver", choices=("both", "offline", "serve"), default="both",
+                   help="offline vllm.LLM rounds, vllm serve with concurrent streaming clients, or both (default)")
     args = p.parse_args()
     ENV["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
     if args.child:
@@ -159,21 +280,62 @@ def main() -> None:
     longest = max(len(c) for c in ctx) + sum(len(questions[r % len(questions)]) + ANSWER for r in range(rounds))
     limited = max(need // 2, math.ceil(longest / BLOCK) + 2)  # about half; one user's longest prompt fits
     work = Path(tempfile.mkdtemp(prefix="tierkv-vllm-load-"))
-    conn_cfg = {"l3": {"path": str(work / "l3"), "capacity": "2GiB"}}
-    xfer = {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.connectors.vllm",
-            "kv_role": "kv_both", "kv_connector_extra_config": conn_cfg}
+    def xfer_at(l3: Path) -> dict:  # the README's connector config, an L3 directory of its own per driver
+        return {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.connectors.vllm",
+                "kv_role": "kv_both", "kv_connector_extra_config": {"l3": {"path": str(l3), "capacity": "2GiB"}}}
+
+    xfer = xfer_at(work / "l3")
     per_user = [math.ceil((len(c) + sum(len(questions[r % len(questions)]) + ANSWER for r in range(rounds))) / BLOCK)
                 for c in ctx]
     wave = max(1, (limited - 1) // max(per_user))  # users whose last-round KV fits the limited cache at once
     specs = {"base": (limited, None), "tierkv": (limited, xfer), "ideal": (2 * need + 8, None),
              "waves": (2 * need + 8, None)}
+    t_start = time.monotonic()
+    figures = {"users": users, "rounds": rounds, "limited_blocks": limited, "ideal_blocks": 2 * need + 8,
+               "wave_users": wave}
+    rows = [
+        ("users x rounds", f"{users} x {rounds}", f"contexts {CONTEXT} tokens, {ANSWER} out; "
+                                                  f"last round {need} blocks of {BLOCK}"),
+        ("vLLM cache", f"{limited} / {2 * need + 8}", f"blocks: base and tierkv / ideal and waves ({wave} "
+                                                      f"user{'s' if wave > 1 else ''} at a time)"),
+    ]
+    targets = []
+    if args.driver != "serve":
+        fig, more_rows, more_targets = run_offline(model, ctx, questions, rounds, specs, limited, wave, work)
+        figures.update(fig)
+        rows += more_rows
+        targets += more_targets
+    if args.driver != "offline":
+        serve_specs = {"base": specs["base"], "tierkv": (limited, xfer_at(work / "l3-serve")), "ideal": specs["ideal"]}
+        fig = run_serve(model, ctx, questions, rounds, serve_specs, (limited - 1) * BLOCK, work)
+        figures.update(fig)
+        rows += [(f"serve {n} TTFT p50 / p90", f"{fig[f'{n}_ttft_p50_ms']:.0f} / {fig[f'{n}_ttft_p90_ms']:.0f} ms",
+                  "rounds >= 2, " + ", ".join(f"{t:.2f}" for t in fig["serve_round_s"][n][1:]) + " s a round")
+                 for n in serve_specs]
+        rows.append(("serve identical", str(fig["serve_identical"]), "every streamed id, base = tierkv = ideal"))
+        targets += [
+            target("serve_tierkv_over_ideal_ttft_p90", fig["tierkv_ttft_p90_ms"] / fig["ideal_ttft_p90_ms"], "<=",
+                   1.3, "tierkv_ttft_p90_ms / ideal_ttft_p90_ms"),
+            target("serve_identical", float(fig["serve_identical"]), ">=", 1.0, "1 when every id matches"),
+        ]
+    else:
+        figures["serve"] = "not run (--driver offline)"
+    print_table(f"vllm_load: vLLM-cpu, SmolLM2-135M-Instruct fp32, driver {args.driver}, "
+                f"OpenMP {args.omp_bind}, {time.monotonic() - t_start:.0f} s",
+                rows + [(t["metric"], f"{t['value']:.3g} {t['op']} {t['bound']:g}", "ok" if t["ok"] else "MISSED")
+                        for t in targets])
+    finish(args, "vllm_load", figures, targets)
+
+
+def run_offline(model: Path, ctx: list[list[int]], questions: list[list[int]], rounds: int,
+                specs: dict[str, tuple[int, dict | None]], limited: int, wave: int, work: Path):
+    """One ``vllm.LLM`` per contender, each round one batched generate: (figures, rows, targets)."""
     engines: dict[str, Engine] = {}
     convo = {name: [list(c) for c in ctx] for name in specs}
     times: dict[str, list[float]] = {name: [] for name in specs}
     ids: dict[str, list] = {name: [] for name in specs}
     cached: dict[str, list] = {name: [] for name in specs}
     profile: dict[str, list] = {name: [] for name in specs}
-    t_start = time.monotonic()
     try:
         for name, (nblocks, x) in specs.items():
             # vLLM refuses a max_model_len its cache cannot hold (one block of it is vLLM's null block):
@@ -212,14 +374,10 @@ def main() -> None:
     identical = ids["base"] == ids["tierkv"] == ids["ideal"] == ids["waves"]
     hit_tokens = {tier: int(v) * BLOCK for tier, v in sorted(stats["tierkv"]["hits"].items()) if v}
     rows = [
-        ("users x rounds", f"{users} x {rounds}", f"contexts {CONTEXT} tokens, {ANSWER} out; "
-                                                  f"last round {need} blocks of {BLOCK}"),
-        ("vLLM cache", f"{limited} / {2 * need + 8}", f"blocks: base and tierkv / ideal and waves ({wave} "
-                                                      f"user{'s' if wave > 1 else ''} at a time)"),
         *[(f"{name}_round_s", f"{mean[name]:.2f}", "rounds >= 2: " + ", ".join(f"{t:.2f}" for t in times[name][1:])
            + f"; round 1 {times[name][0]:.2f}; preemptions {stats[name]['preemptions']:.0f}") for name in specs],
         ("tierkv hit tokens", str(sum(hit_tokens.values())), ", ".join(f"{t} {n}" for t, n in hit_tokens.items())),
-        ("identical", str(identical), "every generated id of every request, base = tierkv = ideal"),
+        ("identical", str(identical), "every generated id of every request, base = tierkv = ideal = waves"),
     ]
     targets = [
         target("tierkv_over_ideal", mean["tierkv"] / mean["ideal"], "<=", 1.25, "tierkv_round_s / ideal_round_s"),
@@ -228,18 +386,11 @@ def main() -> None:
         target("base_over_tierkv", mean["base"] / mean["tierkv"], ">=", 3.0, "base_round_s / tierkv_round_s"),
         target("identical", float(identical), ">=", 1.0, "1 when every id matches"),
     ]
-    print_table(f"vllm_load: vLLM-cpu, SmolLM2-135M-Instruct fp32, offline generate, "
-                f"OpenMP {args.omp_bind}, {time.monotonic() - t_start:.0f} s",
-                rows + [(t["metric"], f"{t['value']:.3g} {t['op']} {t['bound']:g}", "ok" if t["ok"] else "MISSED")
-                        for t in targets])
-    figures = {"users": users, "rounds": rounds, "limited_blocks": limited, "ideal_blocks": 2 * need + 8,
-               "base_round_s": mean["base"], "tierkv_round_s": mean["tierkv"], "ideal_round_s": mean["ideal"],
-               "waves_round_s": mean["waves"], "wave_users": wave,
-               "round_s": times, "cached_tokens": cached, "profile": profile, "hit_tokens_by_tier": hit_tokens,
-               "identical": identical, "preemptions": {n: s["preemptions"] for n, s in stats.items()},
-               "serve": "not run: the vllm serve driver (concurrent streaming clients, TTFT) is not built yet"}
-    finish(args, "vllm_load", figures, targets)
-
+    figures = {"base_round_s": mean["base"], "tierkv_round_s": mean["tierkv"], "ideal_round_s": mean["ideal"],
+               "waves_round_s": mean["waves"], "round_s": times, "cached_tokens": cached, "profile": profile,
+               "hit_tokens_by_tier": hit_tokens, "identical": identical,
+               "preemptions": {n: s["preemptions"] for n, s in stats.items()}}
+    return figures, rows, targets
 
 if __name__ == "__main__":
     main()
