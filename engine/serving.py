@@ -54,6 +54,7 @@ class Request:
     namespace: str | None
     stream: bool
     sink: Callable[[Any], None] | None = None
+    cache_salt: str | None = None
     outputs: queue.Queue = field(default_factory=queue.Queue)
     seq: Sequence | None = None
     sent: int = 0
@@ -120,11 +121,11 @@ class EngineLoop:
             return {"steps": s.steps, "max_batch": s.max_batch, "avg_batch": s.avg_batch, "aborted": s.aborted}
 
     def submit(self, prompt, params: SamplingParams, namespace: str | None, stream: bool,
-               sink: Callable[[Any], None] | None = None) -> Request:
+               sink: Callable[[Any], None] | None = None, cache_salt: str | None = None) -> Request:
         """Queue a request for the next step; thread-safe. EngineStopped once ``stop`` was called."""
         if self._stopping.is_set():
             raise EngineStopped("the server is shutting down")
-        req = Request(prompt, params, namespace, stream, sink)
+        req = Request(prompt, params, namespace, stream, sink, cache_salt)
         self._inbox.put(req)
         return req
 
@@ -198,7 +199,7 @@ class EngineLoop:
 
     def _admit(self, req: Request) -> None:
         try:
-            req.seq = self.llm._sequence(req.prompt, req.params, req.namespace)
+            req.seq = self.llm._sequence(req.prompt, req.params, req.namespace, req.cache_salt)
         except ValueError as exc:
             req.put(PromptRejected(str(exc)))
             return

@@ -29,14 +29,14 @@ class Generation:
     """One request in flight, read on the event loop that submitted it. Not thread-safe."""
 
     def __init__(self, loop: EngineLoop, prompt_ids: list[int], params: SamplingParams, namespace: str | None,
-                 stream: bool) -> None:
+                 stream: bool, cache_salt: str | None = None) -> None:
         self._aloop = asyncio.get_running_loop()
         self._queue: asyncio.Queue = asyncio.Queue()
         self._engine = loop
         self.prompt_ids = prompt_ids
         self.done = False
         try:
-            self._req = loop.submit(prompt_ids, params, namespace, stream, sink=self._deliver)
+            self._req = loop.submit(prompt_ids, params, namespace, stream, sink=self._deliver, cache_salt=cache_salt)
         except EngineStopped as exc:
             raise RequestError(503, str(exc), kind="server_error", code="shutting_down") from None
 
@@ -125,9 +125,10 @@ class EngineClient:
                                     "prompt)", "max_tokens", "context_length_exceeded")
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, namespace: str | None,
-               stream: bool) -> Generation:
-        """Queue the request; call on the event loop that will read the Generation."""
-        return Generation(self.loop, prompt_ids, params, namespace, stream)
+               stream: bool, cache_salt: str | None = None) -> Generation:
+        """Queue the request (``cache_salt``: only requests with the same salt share cached KV); call on
+        the event loop that will read the Generation."""
+        return Generation(self.loop, prompt_ids, params, namespace, stream, cache_salt)
 
     def decode(self, ids: list[int]) -> str:
         return self.llm.tokenizer.decode(ids)

@@ -5,7 +5,7 @@ unknown field is a 400 naming it, as OpenAI answers. Fields OpenAI clients
 send that the engine cannot honour (``n`` > 1, penalties, logprobs, tools)
 are refused with a 400 naming the field instead of being ignored. ``stop``
 (up to 4 strings) is applied to the decoded text by the server. tierkv extensions: ``namespace`` (the cache namespace of the
-request), ``top_k``, ``stop_token_ids``, ``ignore_eos`` (as vLLM has them).
+request), ``cache_salt``, ``top_k``, ``stop_token_ids``, ``ignore_eos`` (as vLLM has them).
 """
 
 from __future__ import annotations
@@ -70,6 +70,8 @@ class _Generate(_Strict):
     logprobs: Any = None
     user: StrictStr | None = None
     namespace: StrictStr | None = None
+    # vLLM's: only requests with the same salt share cached KV (a tenant's own prefix cache).
+    cache_salt: StrictStr | None = None
 
     def sampling_params(self, limit: int, stop_ids: tuple[int, ...], max_tokens: int | None = None) -> SamplingParams:
         """SamplingParams for the engine (``stop_ids``: the model's end-of-turn tokens); RequestError (400)

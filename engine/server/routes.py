@@ -129,7 +129,7 @@ async def _generate(request: Request, body, ids: list[int], params, chat: bool):
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
     model = server.config.model_name
     stops = body.stop_strings()
-    gen = client.submit(ids, params, body.namespace, stream=body.stream or bool(stops))
+    gen = client.submit(ids, params, body.namespace, stream=body.stream or bool(stops), cache_salt=body.cache_salt)
     if not body.stream:
         if not stops:
             out = await until_disconnect(request, gen.result(), gen.cancel)

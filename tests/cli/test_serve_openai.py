@@ -103,6 +103,26 @@ def test_three_turn_chat_hits_the_cache_and_answers_as_without_it(server, uncach
     assert all(m["content"] for h in histories.values() for m in h)
 
 
+def test_cache_salt_keeps_each_tenants_prefix_to_itself(server, uncached):
+    # vLLM's request field: a prompt cached under one salt is not found under another, nor
+    # without one, and the answer stays the cache-less one.
+    messages = [{"role": "system", "content": "You answer questions about rivers, briefly."},
+                {"role": "user", "content": "Which river flows through Vienna?"}]
+    ref = chat(uncached, messages)
+    first = chat(server, messages, extra_body={"cache_salt": "tenant-a"})
+    again = chat(server, messages, extra_body={"cache_salt": "tenant-a"})
+    other = chat(server, messages, extra_body={"cache_salt": "tenant-b"})
+    plain = chat(server, messages)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == (again.usage.prompt_tokens - 1) // 16 * 16 > 0
+    assert other.usage.prompt_tokens_details.cached_tokens == 0
+    assert plain.usage.prompt_tokens_details.cached_tokens == 0
+    for out in (first, again, other, plain):
+        assert out.choices[0].message.content == ref.choices[0].message.content
+    bad = server.http.post("/v1/chat/completions", json={"model": "m", "messages": messages, "cache_salt": 7})
+    assert bad.status_code == 400 and "cache_salt" in bad.text
+
+
 def test_generation_stops_at_the_end_of_the_assistant_turn(server):
     out = chat(server, [{"role": "user", "content": "Say hello."}], max_tokens=200)
     assert out.choices[0].finish_reason == "stop"  # ended by <|im_end|>, SmolLM2's end-of-turn token
