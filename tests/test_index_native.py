@@ -217,3 +217,23 @@ def test_indexes_on_two_threads_decide_as_each_alone():
     finally:
         sys.setswitchinterval(old)
     assert together == alone
+
+
+def test_c_and_python_loops_keep_a_policys_own_ghost_factor():
+    # hit_density's ghosts per block are a per-policy slot (policy.metadata_share): the C loops
+    # read it, not the module's GHOST_FACTOR, and trim where the Python ones do.
+    runs = []
+    for native in (False, None):
+        rng = random.Random(5)
+        index = PrefixIndex([make_policy("hit_density", t, lower=t + 1 if t < 2 else None, ghost_factor=1)
+                             for t in (L1, L2, L3)], half_life=50.0, native=native)
+        assert (index._c is None) == (native is False)
+        out: list = []
+        for _ in range(2000):
+            _step(index, rng, out)
+        runs.append((out, [list(p.ghosts.items()) for p in index.policies], index))
+    (out_a, ghosts_a, a), (out_b, ghosts_b, b) = runs
+    assert out_a == out_b and ghosts_a == ghosts_b
+    for p in b.policies:
+        assert len(p.ghosts) <= 1 * (b.counts[p.tier] + 1) + 64
+    assert sum(map(len, ghosts_b)) > 64  # ghosts were made, and trimmed at the small factor

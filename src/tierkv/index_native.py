@@ -422,13 +422,12 @@ static double hd_score(PyObject *self, long c, long age, long depth) {
   return (at + (next - at) * frac) * ben;
 }
 
-/* The policy's ghost_factor (its own slot) and MAX_GHOSTS (a module global, read per use like the
-   Python code; an evict call reads it once: nothing it calls assigns it). */
+/* MAX_GHOSTS (a module global, read per use like the Python code; an evict call reads it once:
+   nothing it calls assigns it). Ghosts per block are the policy's own ghost_factor slot. */
 static __thread int limits_cached = 0;
 static __thread long cached_cap;
 
-static int ghost_limits(PyObject *self, long *factor, long *cap) {
-  *factor = L(self, H_ghost_factor);
+static int ghost_cap(long *cap) {
   if (limits_cached) { *cap = cached_cap; return 0; }
   PyObject *m = PyDict_GetItemWithError(hd_globals, s_mg);
   if (m == NULL) {
@@ -441,8 +440,8 @@ static int ghost_limits(PyObject *self, long *factor, long *cap) {
 
 static int hd_trim_ghosts(PyObject *self, long now) {
   PyObject *ghosts = SLOT(self, H_ghosts), *ends = SLOT(self, H_end_hist);
-  long factor, cap;
-  if (ghost_limits(self, &factor, &cap) < 0) return -1;
+  long factor = L(self, H_ghost_factor), cap;
+  if (ghost_cap(&cap) < 0) return -1;
   long limit = factor * LI(SLOT(self, H_counts), L(self, H_tier)) + 64;
   if (cap < limit) limit = cap;
   while (PyObject_Size(ghosts) > limit) {
@@ -528,8 +527,8 @@ static PyObject *hd_take(PyObject *self, PyObject *extra, int extra_c) {
     int rc = PyObject_SetItem(ghosts, SLOT(best, E_key), g);
     Py_DECREF(g);
     if (rc < 0) goto fail;
-    long factor, cap, n = PyObject_Size(ghosts);
-    if (ghost_limits(self, &factor, &cap) < 0) goto fail;
+    long factor = L(self, H_ghost_factor), cap, n = PyObject_Size(ghosts);
+    if (ghost_cap(&cap) < 0) goto fail;
     if (n > factor * LI(SLOT(self, H_counts), tier) + 64 || n > cap)
       if (hd_trim_ghosts(self, now) < 0) goto fail;
   }
@@ -1433,11 +1432,11 @@ static PyObject *impl_evict(PyObject *m, PyObject *const *args, Py_ssize_t nargs
   Py_DECREF(clk);
   clock_index = index;
   int saved_cached = limits_cached;
-  long saved_cap = cached_cap, unused_factor;
+  long saved_cap = cached_cap;
   if (pol_init(&pol, PyList_GET_ITEM(policies, tier)) < 0) { pol.kind = -1; goto done; }
   if (pol.kind == 2) {
     limits_cached = 0;
-    if (ghost_limits(pol.policy, &unused_factor, &cached_cap) < 0) goto done;
+    if (ghost_cap(&cached_cap) < 0) goto done;
     limits_cached = 1;
   }
   if (pol.kind == 3) {
