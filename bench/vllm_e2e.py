@@ -58,11 +58,33 @@ SETTLE_S = 1.2
 
 # -- child: one vllm.LLM, driven over stdin/stdout --------------------------------------------------
 
-def child(spec: dict) -> None:
+def registry_sums(names: dict[str, str], label: str | None = None) -> dict:
+    """Samples of vLLM's Prometheus registry (the process's) summed: ``names`` maps a sample name
+    to its key in the result; with ``label``, each key holds a dict by that label's value."""
+    from prometheus_client import REGISTRY
+
+    out: dict = {key: ({} if label else 0.0) for key in names.values()}
+    for fam in REGISTRY.collect():
+        for smp in fam.samples:
+            key = names.get(smp.name)
+            if key is None:
+                continue
+            if label:
+                by = out[key]
+                by[smp.labels[label]] = by.get(smp.labels[label], 0) + smp.value
+            else:
+                out[key] += smp.value
+    return out
+
+
+def command_loop(spec: dict, ops: dict) -> None:
+    """A child's life: build the ``vllm.LLM`` of ``spec`` (model, LLM keyword arguments, optional
+    ``xfer`` KVTransferConfig fields), print ``@@RESULT {"ready": true}`` (or ``start_error``), then
+    answer each JSON command on stdin with one ``@@RESULT`` line: ``ops[op](llm, cmd)``, or for
+    ``exit`` vLLM's own shutdown (the only reference to the LLM is dropped here) and return."""
     import gc
 
-    from prometheus_client import REGISTRY
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kwargs = dict(spec["llm"])
@@ -74,35 +96,41 @@ def child(spec: dict) -> None:
         print("@@RESULT " + json.dumps({"start_error": f"{type(exc).__name__}: {exc}"}), flush=True)
         return
     print("@@RESULT " + json.dumps({"ready": True}), flush=True)
-    greedy = SamplingParams(temperature=0.0, max_tokens=1)
     for line in sys.stdin:
         cmd = json.loads(line)
-        if cmd["op"] == "generate":
-            t0 = time.perf_counter()
-            out = llm.generate([{"prompt_token_ids": cmd["prompt"]}], greedy, use_tqdm=False)[0]
-            ms = (time.perf_counter() - t0) * 1e3
-            res = {"ms": ms, "ids": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens}
-        elif cmd["op"] == "reset":
-            for _ in range(200):  # blocks of a request whose save still runs are not freed yet
-                if llm.reset_prefix_cache():
-                    break
-                llm.generate([{"prompt_token_ids": [1, 2, 3]}], greedy, use_tqdm=False)
-                time.sleep(0.02)
-            else:
-                raise RuntimeError("reset_prefix_cache kept failing")
-            res = {"ok": True}
-        elif cmd["op"] == "hits":
-            res = {}
-            for fam in REGISTRY.collect():
-                for s in fam.samples:
-                    if s.name == "tierkv_hits_total":
-                        res[s.labels["tier"]] = res.get(s.labels["tier"], 0) + s.value
-        elif cmd["op"] == "exit":
+        if cmd["op"] == "exit":
             del llm
             gc.collect()
             print("@@RESULT " + json.dumps({"ok": True}), flush=True)
             return
-        print("@@RESULT " + json.dumps(res), flush=True)
+        print("@@RESULT " + json.dumps(ops[cmd["op"]](llm, cmd)), flush=True)
+
+
+def _generate(llm, cmd: dict) -> dict:
+    from vllm import SamplingParams
+
+    t0 = time.perf_counter()
+    out = llm.generate([{"prompt_token_ids": cmd["prompt"]}], SamplingParams(temperature=0.0, max_tokens=1),
+                       use_tqdm=False)[0]
+    ms = (time.perf_counter() - t0) * 1e3
+    return {"ms": ms, "ids": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens}
+
+
+def _reset(llm, cmd: dict) -> dict:
+    from vllm import SamplingParams
+
+    for _ in range(200):  # blocks of a request whose save still runs are not freed yet
+        if llm.reset_prefix_cache():
+            return {"ok": True}
+        llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0.0, max_tokens=1),
+                     use_tqdm=False)
+        time.sleep(0.02)
+    raise RuntimeError("reset_prefix_cache kept failing")
+
+
+def child(spec: dict) -> None:
+    command_loop(spec, {"generate": _generate, "reset": _reset,
+                        "hits": lambda llm, cmd: registry_sums({"tierkv_hits_total": "hits"}, "tier")["hits"]})
 
 
 class Engine:

@@ -48,7 +48,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from _common import finish, parser, print_table, target  # noqa: E402
-from vllm_e2e import ENV, SETTLE_S, Engine, argparse_hidden, default_omp_bind  # noqa: E402
+from vllm_e2e import (ENV, SETTLE_S, Engine, argparse_hidden, command_loop, default_omp_bind,  # noqa: E402
+                      registry_sums)
 
 BLOCK, ANSWER, CONTEXT = 128, 16, 640
 ENV["VLLM_CPU_KVCACHE_SPACE"] = "2"  # the engines' environment (vllm_e2e's dict): room for ideal's cache
@@ -69,55 +70,29 @@ PROFILE = {"vllm:iteration_tokens_total_count": "steps", "vllm:iteration_tokens_
            "vllm:request_decode_time_seconds_sum": "decode_s"}
 
 
+def _generate(llm, cmd: dict) -> dict:
+    """All prompts in one batched generate, timed here, with vLLM's counters over it (``PROFILE``)."""
+    from vllm import SamplingParams
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=ANSWER, ignore_eos=True)
+    before = registry_sums(PROFILE)
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], greedy, use_tqdm=False)
+    s = time.perf_counter() - t0
+    after = registry_sums(PROFILE)
+    return {"s": s, "ids": [list(o.outputs[0].token_ids) for o in outs],
+            "cached": [o.num_cached_tokens for o in outs],
+            "profile": {k: round(after[k] - before[k], 4) for k in after}}
+
+
+def _stats(llm, cmd: dict) -> dict:
+    return {"hits": registry_sums({"tierkv_hits_total": "hits"}, "tier")["hits"],
+            "preemptions": registry_sums({"vllm:num_preemptions_total": "preemptions"})["preemptions"]}
+
+
 def child(spec: dict) -> None:
     """One ``vllm.LLM``; commands on stdin, one ``@@RESULT`` line each on stdout."""
-    import gc
-
-    from prometheus_client import REGISTRY
-    from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
-
-    kwargs = dict(spec["llm"])
-    if spec.get("xfer") is not None:
-        kwargs["kv_transfer_config"] = KVTransferConfig(**spec["xfer"])
-    llm = LLM(model=spec["model"], **kwargs)
-    print("@@RESULT " + json.dumps({"ready": True}), flush=True)
-    greedy = SamplingParams(temperature=0.0, max_tokens=ANSWER, ignore_eos=True)
-
-    def counters() -> dict[str, float]:
-        """vLLM's own per-step and per-request sums (where a round's time goes)."""
-        out = dict.fromkeys(PROFILE.values(), 0.0)
-        for fam in REGISTRY.collect():
-            for smp in fam.samples:
-                if smp.name in PROFILE:
-                    out[PROFILE[smp.name]] += smp.value
-        return out
-
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd["op"] == "generate":
-            before = counters()
-            t0 = time.perf_counter()
-            outs = llm.generate([{"prompt_token_ids": p} for p in cmd["prompts"]], greedy, use_tqdm=False)
-            s = time.perf_counter() - t0
-            after = counters()
-            res = {"s": s, "ids": [list(o.outputs[0].token_ids) for o in outs],
-                   "cached": [o.num_cached_tokens for o in outs],
-                   "profile": {k: round(after[k] - before[k], 4) for k in after}}
-        elif cmd["op"] == "stats":
-            res = {"hits": {}, "preemptions": 0}
-            for fam in REGISTRY.collect():
-                for smp in fam.samples:
-                    if smp.name == "tierkv_hits_total":
-                        res["hits"][smp.labels["tier"]] = res["hits"].get(smp.labels["tier"], 0) + smp.value
-                    elif smp.name == "vllm:num_preemptions_total":
-                        res["preemptions"] += smp.value
-        elif cmd["op"] == "exit":
-            del llm
-            gc.collect()
-            print("@@RESULT " + json.dumps({"ok": True}), flush=True)
-            return
-        print("@@RESULT " + json.dumps(res), flush=True)
+    command_loop(spec, {"generate": _generate, "stats": _stats})
 
 
 def contexts(model_dir: Path, users: int) -> tuple[list[list[int]], list[list[int]]]:
@@ -344,7 +319,9 @@ def run_offline(model: Path, ctx: list[list[int]], questions: list[list[int]], r
             spec = {"model": str(model), "llm": llm, "xfer": x}
             engines[name] = Engine(name, spec, work, script=__file__)
         for e in engines.values():
-            e.result(timeout=1200)  # ready
+            got = e.result(timeout=1200)  # ready
+            if "start_error" in got:
+                raise RuntimeError(f"{e.name}: vLLM did not start: {got['start_error']}; see {e.log.name}")
         order = list(specs)
         for r in range(rounds):
             q = questions[r % len(questions)]
