@@ -85,6 +85,16 @@ def _check_bool(value: Any, name: str) -> bool:
     return value
 
 
+COMPRESS_MODES = ("off", "zstd", "auto")
+
+
+def _check_compress(section: Any, name: str) -> None:
+    """The compress fields of ``l3`` / ``l4``: mode, zstd level (negative: faster), threads."""
+    _check_choice(section.compress, f"{name}.compress", COMPRESS_MODES)
+    _check_int(section.compress_level, f"{name}.compress_level", -7, 22)
+    _check_int(section.compress_threads, f"{name}.compress_threads", 1, 64)
+
+
 @dataclass(frozen=True)
 class L1Config:
     """L1: the device block pool. ``num_blocks`` 0 means no L1 tier (e.g. under vLLM)."""
@@ -118,12 +128,18 @@ class L3Config:
     """L3: local disk, one preallocated slot file plus an LMDB index under ``path``.
 
     ``read_depth``: reads in flight per load (about 4 MiB each, on the process's reader threads).
+    ``compress``: ``off`` (raw blocks), ``zstd`` (byte planes + zstandard, each block that
+    shrinks) or ``auto`` (zstd only while the measured get bandwidth wins by >= 1.2x);
+    ``compress_level`` is zstd's level, ``compress_threads`` the blocks of a batch coded at once.
     """
 
     path: str = "~/.cache/tierkv/l3"
     capacity: int | str = "8GiB"
     direct_io: bool = True
     read_depth: int = 4
+    compress: str = "off"
+    compress_level: int = 1
+    compress_threads: int = 1
 
     def __post_init__(self) -> None:
         if not _check_str(self.path, "l3.path"):
@@ -131,11 +147,16 @@ class L3Config:
         object.__setattr__(self, "capacity", parse_size(self.capacity, "l3.capacity"))
         _check_bool(self.direct_io, "l3.direct_io")
         _check_int(self.read_depth, "l3.read_depth", 1, 64)
+        _check_compress(self, "l3")
 
 
 @dataclass(frozen=True)
 class L4Config:
-    """L4: a remote pool chosen by URL scheme; empty URL means no L4."""
+    """L4: a remote pool chosen by URL scheme; empty URL means no L4.
+
+    ``compress`` / ``compress_level`` / ``compress_threads``: as ``l3``'s (``zstd`` and ``auto``
+    need a Redis-protocol pool: Mooncake values have one fixed size).
+    """
 
     url: str = ""
     auth_key: str = ""
@@ -143,6 +164,9 @@ class L4Config:
     key_prefix: str = "tierkv"
     breaker_failures: int = 3
     breaker_reset_s: float = 5.0
+    compress: str = "off"
+    compress_level: int = 1
+    compress_threads: int = 1
 
     SCHEMES = ("mooncake", "redis", "rediss", "valkey", "redis+cluster")
 
@@ -155,6 +179,10 @@ class L4Config:
         _check_str(self.key_prefix, "l4.key_prefix")
         _check_int(self.breaker_failures, "l4.breaker_failures", 1)
         _check_float(self.breaker_reset_s, "l4.breaker_reset_s", 0.0, strict=True)
+        _check_compress(self, "l4")
+        if self.compress != "off" and url.startswith("mooncake://"):
+            raise ValueError(f"l4.compress: expected 'off' with a mooncake:// pool (its values have one "
+                             f"fixed size), got {self.compress!r}")
 
 
 @dataclass(frozen=True)
