@@ -13,7 +13,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from tierkv.catalog import Catalog, open_l3
+from tierkv.catalog import Catalog, open_l3, stored_layouts
 from tierkv.cli.common import (
     CacheDir, CLIError, ConfigFile, Debug, Json, app, console, human_age, human_bytes, print_json, settings,
 )
@@ -69,10 +69,14 @@ def local_info(s) -> dict:
     l3 = out["tiers"]["l3"]
     aside = damaged_dirs(s.l3_path)
     l3["damaged"] = {"count": len(aside), "bytes": sum(_tree_bytes(d) for d in aside), "dirs": [d.name for d in aside]}
-    try:
-        disk = open_l3(s.l3_path, cfg.l3.direct_io)
-    except FileNotFoundError:
+    every = stored_layouts(s.l3_path)  # one directory per layout: the root's first
+    if not every:
         return out
+    if len(every) > 1:
+        l3["layouts"] = [{"fingerprint": lay.fingerprint, "dtype": lay.dtype, "dir": str(d), "capacity_blocks": cap,
+                          "identities": [ident.digest for ident, _ in recorded(meta)]}
+                         for d, lay, cap, meta in every]
+    disk = open_l3(every[0][0], cfg.l3.direct_io)
     try:
         meta = disk.meta()
         l3.update(present=True, capacity_blocks=disk.capacity, used_blocks=disk.used,
@@ -210,6 +214,9 @@ def info_cmd(
     if l3["present"]:
         console.print(f"l3 holds model {l3['model_id']}@{l3['model_revision']}; {l3['hits_recorded']} block hits "
                       f"recorded; namespaces: {', '.join(l3['namespaces']) or '-'}")
+    if len(l3.get("layouts", [])) > 1:
+        console.print(f"l3 holds {len(l3['layouts'])} layouts, each in its own directory (the first is shown above): "
+                      + "; ".join(f"{x['fingerprint'][:12]} {x['dtype']}" for x in l3["layouts"]))
     for ident in l3.get("identities", []):
         fields = "  ".join(f"{k} {v[:8]}" for k, v in ident["fields"].items())
         console.print(f"identity {ident['digest'][:12]} (opened {human_age(time.time() - ident['last_opened'])} ago): "

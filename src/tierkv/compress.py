@@ -1,0 +1,235 @@
+"""Byte-plane shuffle + zstandard for the lower tiers (L3, L4), and the rule ``auto`` decides by.
+
+KV in bf16/fp16/fp32 compresses poorly as raw bytes: each element's exponent byte sits between
+mantissa bytes that look random. Split into byte planes first (plane k holds byte k of every
+element: the shuffle blosc uses) and the exponent planes compress. A block is stored compressed
+only where that saves space (``BlockCodec.encode`` returns None otherwise); what was stored says
+so (``FLAG_ZSTD | FLAG_SHUFFLE`` in the L3 record or the L4 trailer), so raw and compressed
+blocks sit side by side in one tier and the cache key never changes.
+
+``choose`` is the pure rule ``auto`` applies: compression goes on only where the get bandwidth
+it predicts from a measured ratio, decode speed and raw link speed wins by ``WIN`` (1.2x).
+``AutoChooser`` gathers those figures from a tier's own traffic. Nothing here does IO.
+Thread-safety: ``BlockCodec`` keeps one zstd context and scratch buffer per thread, so any
+thread may call it; ``AutoChooser`` takes its own lock.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+FLAG_ZSTD = 1     # the stored bytes are one zstd frame
+FLAG_SHUFFLE = 2  # ... of the block's byte planes
+WIN = 1.2         # auto turns compression on only for a predicted gain of at least this
+_UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _zstd():
+    try:
+        import zstandard
+    except ImportError as exc:  # a declared dependency: only a broken install lacks it
+        raise ImportError("compression needs zstandard; install it with pip install zstandard") from exc
+    return zstandard
+
+
+def shuffle(src: np.ndarray, itemsize: int, out: np.ndarray) -> np.ndarray:
+    """Byte planes of ``src`` (uint8, a whole number of ``itemsize``-byte elements) into ``out``
+    (uint8, same length): plane k, byte k of every element, lies at ``out[k * n:(k + 1) * n]``."""
+    if itemsize == 1:
+        np.copyto(out, src)
+        return out
+    planes = out.reshape(itemsize, -1)
+    if itemsize in _UINT and sys.byteorder == "little":
+        # Shifts over whole words: 2-4x faster than a strided byte copy (numpy's transpose).
+        words = src.view(_UINT[itemsize])
+        for k in range(itemsize):
+            np.right_shift(words, 8 * k, out=planes[k], casting="unsafe")
+    else:
+        np.copyto(planes, src.reshape(-1, itemsize).T)
+    return out
+
+
+def unshuffle(planes: np.ndarray, itemsize: int, out: np.ndarray) -> np.ndarray:
+    """The inverse of ``shuffle``: elements rebuilt from ``planes`` into ``out`` (uint8)."""
+    if itemsize == 1:
+        np.copyto(out, planes)
+        return out
+    rows = planes.reshape(itemsize, -1)
+    if itemsize in _UINT and sys.byteorder == "little":
+        kind = _UINT[itemsize]
+        words = out.view(kind)
+        np.left_shift(rows[itemsize - 1], 8 * (itemsize - 1), out=words, dtype=kind)
+        part = np.empty_like(words) if itemsize > 2 else None
+        for k in range(itemsize - 1):
+            if part is None:  # the low byte needs no shift: or it in
+                np.bitwise_or(words, rows[k], out=words, casting="unsafe")
+            else:
+                np.left_shift(rows[k], 8 * k, out=part, dtype=kind)
+                np.bitwise_or(words, part, out=words)
+    else:
+        np.copyto(out.reshape(-1, itemsize), rows.T)
+    return out
+
+
+class BlockCodec:
+    """Encodes and decodes blocks of ``block_bytes`` bytes of ``itemsize``-byte elements.
+
+    ``level``: zstd's (negative is faster, 1 is its fast default); ``threads``: blocks of a batch
+    coded at once by ``encode_many`` / ``decode_many`` (zstd releases the GIL). Thread-safe.
+    """
+
+    def __init__(self, itemsize: int, block_bytes: int, level: int = 1, threads: int = 1,
+                 shuffled: bool = True) -> None:
+        if block_bytes % itemsize:
+            raise ValueError(f"compress: {block_bytes} bytes is not a whole number of {itemsize}-byte elements")
+        self.zstd = _zstd()
+        self.itemsize = itemsize
+        self.block_bytes = block_bytes
+        self.level = level
+        self.shuffled = shuffled and itemsize > 1
+        self.flags = FLAG_ZSTD | (FLAG_SHUFFLE if self.shuffled else 0)
+        self._local = threading.local()
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tierkv-zstd") if threads > 1 else None
+
+    def _ctx(self):
+        local = self._local
+        if getattr(local, "cctx", None) is None:
+            local.cctx = self.zstd.ZstdCompressor(level=self.level, write_checksum=False)
+            local.dctx = self.zstd.ZstdDecompressor()
+            local.planes = np.empty(self.block_bytes, dtype=np.uint8)
+        return local
+
+    def encode(self, block, limit: int | None = None) -> bytes | None:
+        """The stored bytes of ``block`` (a buffer of ``block_bytes``), or None where they would not
+        be shorter than ``limit`` (default ``block_bytes``): such a block is stored raw."""
+        ctx = self._ctx()
+        src = np.frombuffer(block, dtype=np.uint8)
+        data = shuffle(src, self.itemsize, ctx.planes) if self.shuffled else src
+        out = ctx.cctx.compress(data)
+        return out if len(out) < (self.block_bytes if limit is None else limit) else None
+
+    def decode_into(self, stored, flags: int, dst) -> bool:
+        """Decode ``stored`` (written with ``flags``) into ``dst`` (a writable buffer of
+        ``block_bytes``); False where it is not a frame of exactly one block. Unshuffled frames
+        decompress straight into ``dst``; shuffled ones through a per-thread plane buffer, so
+        ``stored`` may lie at the start of ``dst`` itself."""
+        ctx = self._ctx()
+        out = np.frombuffer(dst, dtype=np.uint8)
+        target = ctx.planes if flags & FLAG_SHUFFLE else out
+        if target is out and np.may_share_memory(np.frombuffer(stored, dtype=np.uint8), out):
+            stored = bytes(stored)  # a frame at the start of its own destination (an L4 value)
+        try:
+            reader = ctx.dctx.stream_reader(stored, read_size=len(stored))
+            n = 0
+            while n < self.block_bytes:
+                got = reader.readinto(memoryview(target)[n:])
+                if not got:
+                    break
+                n += got
+            whole = n == self.block_bytes and not reader.read(1)
+        except self.zstd.ZstdError:
+            return False
+        if whole and flags & FLAG_SHUFFLE:
+            unshuffle(ctx.planes, self.itemsize, out)
+        return whole
+
+    def encode_many(self, blocks: list, limit: int | None = None) -> list[bytes | None]:
+        """``encode`` of each block, ``threads`` at a time."""
+        if self._pool is None or len(blocks) < 2:
+            return [self.encode(b, limit) for b in blocks]
+        return list(self._pool.map(lambda b: self.encode(b, limit), blocks))
+
+    def decode_many(self, items: list[tuple[object, int, object]]) -> list[bool]:
+        """``decode_into`` of each (stored, flags, dst), ``threads`` at a time."""
+        if self._pool is None or len(items) < 2:
+            return [self.decode_into(*item) for item in items]
+        return list(self._pool.map(lambda item: self.decode_into(*item), items))
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What ``auto`` decided: compress or not, the predicted get-bandwidth gain, and why."""
+
+    on: bool
+    gain: float
+    why: str
+
+
+def effective_gbps(ratio: float, decode_gbps: float, link_gbps: float) -> float:
+    """Get bandwidth in block bytes per second of compressed blocks: the stored bytes over the link,
+    then decoded, one after the other (no overlap assumed: a conservative prediction)."""
+    return 1.0 / (1.0 / (link_gbps * ratio) + 1.0 / decode_gbps)
+
+
+def choose(ratio: float, decode_gbps: float, link_gbps: float) -> Choice:
+    """Compress where the predicted get bandwidth beats the raw link's by ``WIN``. Pure."""
+    if ratio <= 1.0 or decode_gbps <= 0 or link_gbps <= 0:
+        return Choice(False, 1.0, f"off: ratio {ratio:.2f}x saves nothing")
+    gain = effective_gbps(ratio, decode_gbps, link_gbps) / link_gbps
+    verdict = "zstd" if gain >= WIN else "off"
+    return Choice(gain >= WIN, gain, f"{verdict}: ratio {ratio:.2f}x, decode {decode_gbps:.2f} GB/s, raw "
+                  f"{link_gbps:.2f} GB/s -> {gain:.2f}x the raw get (needs {WIN}x)")
+
+
+class AutoChooser:
+    """``auto`` for one tier: raw get speed seen on its reads, ratio and decode speed from sampled
+    blocks, and ``choose`` over them. Until it has both it says off. Thread-safe."""
+
+    MIN_RAW_BYTES = 8 << 20  # raw reads timed before deciding
+    MIN_SAMPLES = 4          # blocks coded before deciding
+
+    def __init__(self, codec: BlockCodec) -> None:
+        self.codec = codec
+        self._lock = threading.Lock()
+        self._raw = [0, 0.0]         # bytes, seconds
+        self._coded = [0, 0, 0.0, 0]  # block bytes, stored bytes, decode seconds, samples
+        self._choice = Choice(False, 1.0, "off: measuring (no raw reads and samples yet)")
+
+    def raw_read(self, nbytes: int, seconds: float) -> None:
+        """A raw get of ``nbytes`` took ``seconds`` (the tier's IO, no decoding)."""
+        with self._lock:
+            self._raw[0] += nbytes
+            self._raw[1] += seconds
+            self._decide()
+
+    def sample(self, block) -> None:
+        """Code one block of real traffic: its ratio and decode time count."""
+        stored = self.codec.encode(block, limit=self.codec.block_bytes * 4)
+        scratch = bytearray(self.codec.block_bytes)
+        t0 = time.perf_counter()
+        ok = stored is not None and self.codec.decode_into(stored, self.codec.flags, scratch)
+        seconds = time.perf_counter() - t0
+        if not ok:
+            return
+        with self._lock:
+            self._coded[0] += self.codec.block_bytes
+            self._coded[1] += len(stored)
+            self._coded[2] += seconds
+            self._coded[3] += 1
+            self._decide()
+
+    def _decide(self) -> None:
+        raw_bytes, raw_s = self._raw
+        block, stored, decode_s, samples = self._coded
+        if raw_bytes < self.MIN_RAW_BYTES or samples < self.MIN_SAMPLES or raw_s <= 0 or decode_s <= 0:
+            return
+        self._choice = choose(block / stored, block / decode_s / 1e9, raw_bytes / raw_s / 1e9)
+
+    @property
+    def choice(self) -> Choice:
+        with self._lock:
+            return self._choice
+
+    def needs_samples(self) -> bool:
+        with self._lock:
+            return self._coded[3] < 64  # enough for a steady ratio; more only costs put time
