@@ -36,6 +36,13 @@ def kv_block(key: bytes, layout: KVLayout) -> torch.Tensor:
     return values.to(layout.torch_dtype)
 
 
+def real_like_block(key: bytes, layout: KVLayout) -> torch.Tensor:
+    """Values of full precision, as real KV holds: the exponent planes compress, the low mantissa
+    planes do not (they are stored raw inside the compressed block)."""
+    g = torch.Generator().manual_seed(int.from_bytes(key[:8], "little"))
+    return (torch.randn(layout.block_shape, generator=g) * 0.7).to(layout.torch_dtype)
+
+
 def noise_block(key: bytes, layout: KVLayout) -> torch.Tensor:
     """Random bytes: nothing to compress, so the tier keeps them raw."""
     rng = np.random.default_rng(int.from_bytes(key[:8], "little"))
@@ -95,10 +102,13 @@ def test_codec_keeps_noise_raw_and_rejects_a_cut_frame():
 def test_codec_decodes_a_frame_lying_at_the_start_of_its_own_destination():
     """An L4 value lands its stored bytes at its block's start and is decoded there."""
     layout = layout_of(SHAPES[0], "bfloat16")
-    for shuffled in (True, False):
+    for shuffled, make in ((True, kv_block), (True, real_like_block), (False, kv_block)):
         codec = BlockCodec(layout.itemsize, layout.block_bytes, shuffled=shuffled)
-        block = kv_block(key_of("alias", shuffled), layout).view(torch.uint8).reshape(-1)
+        block = make(key_of("alias", shuffled), layout).view(torch.uint8).reshape(-1)
         stored = codec.encode(block.numpy())
+        raw_planes = [int.from_bytes(stored[4 * k:4 * k + 4], "little") == layout.block_bytes // 2
+                      for k in range(2)]
+        assert not shuffled or raw_planes == [make is real_like_block, False]
         dst = bytearray(layout.block_bytes)
         dst[:len(stored)] = stored
         assert codec.decode_into(memoryview(dst)[:len(stored)], codec.flags, dst)
@@ -160,15 +170,18 @@ def test_l3_round_trips_compressed_blocks_of_every_dtype_and_layout(tmp_path, dt
         assert bool(recs[k].flags) == saves_a_page
         assert recs[k].stored < layout.block_bytes if recs[k].flags else recs[k].stored == layout.block_bytes
     assert all(recs[k].flags == 0 for k in noise)  # noise stays raw
+    real = [key_of("l3 real", dtype, shape, i) for i in range(3)]
+    put(tier, real, real_like_block)
     for aligned in (True, False):
         assert read_back(tier, keys, aligned) == [True] * len(keys)
         assert read_back(tier, noise, aligned, noise_block) == [True, True]
+        assert read_back(tier, real, aligned, real_like_block) == [True] * 3
     full = torch.empty(layout.block_shape, dtype=layout.torch_dtype)
     *lead, dim = layout.block_shape
     strided = torch.empty((*lead, 2 * dim), dtype=layout.torch_dtype)[..., :dim]  # not contiguous
     assert tier.get(keys[:1], [full]) == [True] and same(full, kv_block(keys[0], layout))
     assert tier.get(keys[2:3], [strided]) == [True] and same(strided, kv_block(keys[2], layout))
-    assert tier.verify() == (8, [])
+    assert tier.verify() == (11, [])
     assert tier.read_raw(keys[1]) == kv_block(keys[1], layout).view(torch.uint8).numpy().tobytes()
     assert hook.calls == []
     tier.close()

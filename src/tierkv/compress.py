@@ -2,10 +2,14 @@
 
 KV in bf16/fp16/fp32 compresses poorly as raw bytes: each element's exponent byte sits between
 mantissa bytes that look random. Split into byte planes first (plane k holds byte k of every
-element: the shuffle blosc uses) and the exponent planes compress. A block is stored compressed
-only where that saves space (``BlockCodec.encode`` returns None otherwise); what was stored says
-so (``FLAG_ZSTD | FLAG_SHUFFLE`` in the L3 record or the L4 trailer), so raw and compressed
-blocks sit side by side in one tier and the cache key never changes.
+element: the shuffle blosc uses) and the exponent planes compress; the mantissa planes of real KV do not
+(measured: ratio 1.00), so each plane is its own zstd frame or, where zstd saves nothing, kept
+raw, and decoding copies those. Stored layout with ``FLAG_SHUFFLE``: ``itemsize`` u32 lengths
+(little-endian; a length equal to the plane's size is a raw plane), then the planes. Without it
+(1-byte elements, or ``shuffled=False``): one zstd frame of the block. A block is stored
+compressed only where that saves space (``BlockCodec.encode`` returns None otherwise); what was
+stored says so (the flags in the L3 record or the L4 trailer), so raw and compressed blocks sit
+side by side in one tier and the cache key never changes.
 
 ``choose`` is the pure rule ``auto`` applies: compression goes on only where the get bandwidth
 it predicts from a measured ratio, decode speed and raw link speed wins by ``WIN`` (1.2x).
@@ -24,10 +28,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-FLAG_ZSTD = 1     # the stored bytes are one zstd frame
-FLAG_SHUFFLE = 2  # ... of the block's byte planes
+FLAG_ZSTD = 1     # the stored bytes are zstd-coded
+FLAG_SHUFFLE = 2  # ... as byte planes, each a frame or raw (the layout above)
 WIN = 1.2         # auto turns compression on only for a predicted gain of at least this
 _UINT = {2: np.uint16, 4: np.uint32, 8: np.uint64}
+_PROBE = 16 << 10    # bytes of a plane zstd tries first: a plane that does not shrink there stays raw
+_WORTH = 0.97        # a plane is coded only where its frame is at most this share of it
 
 
 def _zstd():
@@ -55,12 +61,13 @@ def shuffle(src: np.ndarray, itemsize: int, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def unshuffle(planes: np.ndarray, itemsize: int, out: np.ndarray) -> np.ndarray:
-    """The inverse of ``shuffle``: elements rebuilt from ``planes`` into ``out`` (uint8)."""
+def unshuffle(planes, itemsize: int, out: np.ndarray) -> np.ndarray:
+    """The inverse of ``shuffle``: elements rebuilt into ``out`` (uint8) from ``planes``, one
+    array of all planes or a sequence of ``itemsize`` plane arrays (which may lie anywhere)."""
+    rows = planes.reshape(itemsize, -1) if isinstance(planes, np.ndarray) else planes
     if itemsize == 1:
-        np.copyto(out, planes)
+        np.copyto(out, rows[0])
         return out
-    rows = planes.reshape(itemsize, -1)
     if itemsize in _UINT and sys.byteorder == "little":
         kind = _UINT[itemsize]
         words = out.view(kind)
@@ -73,7 +80,8 @@ def unshuffle(planes: np.ndarray, itemsize: int, out: np.ndarray) -> np.ndarray:
                 np.left_shift(rows[k], 8 * k, out=part, dtype=kind)
                 np.bitwise_or(words, part, out=words)
     else:
-        np.copyto(out.reshape(-1, itemsize), rows.T)
+        for k in range(itemsize):
+            out.reshape(-1, itemsize)[:, k] = rows[k]
     return out
 
 
@@ -110,34 +118,77 @@ class BlockCodec:
         be shorter than ``limit`` (default ``block_bytes``): such a block is stored raw."""
         ctx = self._ctx()
         src = np.frombuffer(block, dtype=np.uint8)
-        data = shuffle(src, self.itemsize, ctx.planes) if self.shuffled else src
-        out = ctx.cctx.compress(data)
+        if self.shuffled:
+            rows = shuffle(src, self.itemsize, ctx.planes).reshape(self.itemsize, -1)
+            parts = [self._plane(ctx.cctx, row) for row in rows]
+            out = b"".join([b"".join(len(p).to_bytes(4, "little") for p in parts), *parts])
+        else:
+            out = ctx.cctx.compress(src)
         return out if len(out) < (self.block_bytes if limit is None else limit) else None
+
+    @staticmethod
+    def _plane(cctx, row: np.ndarray):
+        """One plane's stored bytes: its zstd frame, or the plane itself where zstd saves nothing
+        (tried on its first ``_PROBE`` bytes, then on all of it)."""
+        if len(row) > 2 * _PROBE and len(cctx.compress(row[:_PROBE])) > _WORTH * _PROBE:
+            return row
+        frame = cctx.compress(row)
+        return frame if len(frame) <= _WORTH * len(row) else row
 
     def decode_into(self, stored, flags: int, dst) -> bool:
         """Decode ``stored`` (written with ``flags``) into ``dst`` (a writable buffer of
-        ``block_bytes``); False where it is not a frame of exactly one block. Unshuffled frames
-        decompress straight into ``dst``; shuffled ones through a per-thread plane buffer, so
-        ``stored`` may lie at the start of ``dst`` itself."""
+        ``block_bytes``); False where it is not exactly one block. An unshuffled frame
+        decompresses straight into ``dst``; byte planes into a per-thread plane buffer (raw
+        planes are read where they lie). ``stored`` may lie at the start of ``dst`` itself (it is
+        copied first)."""
         ctx = self._ctx()
         out = np.frombuffer(dst, dtype=np.uint8)
-        target = ctx.planes if flags & FLAG_SHUFFLE else out
-        if target is out and np.may_share_memory(np.frombuffer(stored, dtype=np.uint8), out):
-            stored = bytes(stored)  # a frame at the start of its own destination (an L4 value)
+        if np.may_share_memory(np.frombuffer(stored, dtype=np.uint8), out):
+            # Stored bytes at the start of their own destination (an L4 value): decoding writes
+            # over them while raw planes and frames are still being read.
+            stored = bytes(stored)
         try:
-            reader = ctx.dctx.stream_reader(stored, read_size=len(stored))
-            n = 0
-            while n < self.block_bytes:
-                got = reader.readinto(memoryview(target)[n:])
-                if not got:
-                    break
-                n += got
-            whole = n == self.block_bytes and not reader.read(1)
+            if not flags & FLAG_SHUFFLE:
+                return self._frame_into(ctx.dctx, stored, out)
+            rows = self._planes_of(ctx, memoryview(stored).cast("B"))
         except self.zstd.ZstdError:
             return False
-        if whole and flags & FLAG_SHUFFLE:
-            unshuffle(ctx.planes, self.itemsize, out)
-        return whole
+        if rows is None:
+            return False
+        unshuffle(rows, self.itemsize, out)
+        return True
+
+    def _planes_of(self, ctx, stored: memoryview) -> list[np.ndarray] | None:
+        """The planes of a shuffled block: raw ones as views of ``stored``, coded ones decoded into
+        the per-thread plane buffer. None where the lengths do not add up or a frame is bad."""
+        size, head = self.block_bytes // self.itemsize, 4 * self.itemsize
+        if len(stored) < head:
+            return None
+        lengths = [int.from_bytes(stored[4 * k:4 * k + 4], "little") for k in range(self.itemsize)]
+        if head + sum(lengths) != len(stored) or any(n > size for n in lengths):
+            return None
+        rows, at, scratch = [], head, ctx.planes.reshape(self.itemsize, -1)
+        for k, n in enumerate(lengths):
+            part = stored[at:at + n]
+            at += n
+            if n == size:
+                rows.append(np.frombuffer(part, dtype=np.uint8))
+            elif self._frame_into(ctx.dctx, part, scratch[k]):
+                rows.append(scratch[k])
+            else:
+                return None
+        return rows
+
+    def _frame_into(self, dctx, frame, out: np.ndarray) -> bool:
+        """Decompress one zstd frame into ``out``; True when it filled ``out`` exactly."""
+        reader = dctx.stream_reader(frame, read_size=len(frame))
+        view, n = memoryview(out), 0
+        while n < len(out):
+            got = reader.readinto(view[n:])
+            if not got:
+                break
+            n += got
+        return n == len(out) and not reader.read(1)
 
     def encode_many(self, blocks: list, limit: int | None = None) -> list[bytes | None]:
         """``encode`` of each block, ``threads`` at a time."""
