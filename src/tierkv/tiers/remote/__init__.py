@@ -52,4 +52,5 @@ def open_remote(config: L4Config, layout: KVLayout, on_failure: FailureHook | No
     """
     backend = open_backend(config.url, config.timeout_ms, layout.block_bytes + TRAILER_BYTES)
     breaker = CircuitBreaker(config.breaker_failures, config.breaker_reset_s)
-    return RemoteTier(backend, layout, config.key_prefix, config.auth_key, breaker, on_failure)
+    return RemoteTier(backend, layout, config.key_prefix, config.auth_key, breaker, on_failure,
+                      config.compress, config.compress_level, config.compress_threads)

@@ -21,9 +21,10 @@ from typing import Protocol
 
 import torch
 
+from tierkv.compress import AutoChooser, BlockCodec
 from tierkv.layout import KVLayout
-from tierkv.tiers.base import FailureHook, Lineage
-from tierkv.tiers.remote.codec import OK, ValueCodec
+from tierkv.tiers.base import FailureHook, Lineage, as_bytes
+from tierkv.tiers.remote.codec import CORRUPT, OK, ValueCodec
 
 Landed = Callable[[int, int, bytes], None]  # (index, length, tail): value ``index`` is in its block
 _FAILED = object()  # what ``RemoteTier._call`` returns for a skipped or failed call
@@ -153,11 +154,13 @@ class RemoteBackend(Protocol):
 
         Blocks are contiguous CPU tensors. Per name ``(length, tail)``:
         ``length`` is the stored value's size, -1 when the name is missing
-        (``tail`` then empty). When ``length`` is not ``block bytes +
-        TRAILER_BYTES``, ``blocks[i]`` is undefined and ``tail`` holds what
-        the backend could read of the value's last bytes (nothing for a value
-        larger than it can hold). Returns only once nothing more will be
-        written into ``blocks``.
+        (``tail`` then empty). A shorter value (a compressed block) may land
+        its first ``length - TRAILER_BYTES`` bytes at the start of ``blocks[i]``
+        (Redis does; Mooncake values have one size). When ``length`` is not
+        ``block bytes + TRAILER_BYTES``, the rest of ``blocks[i]`` is undefined
+        and ``tail`` holds what the backend could read of the value's last
+        bytes (nothing for a value larger than it can hold). Returns only once
+        nothing more will be written into ``blocks``.
 
         ``landed(i, length, tail)``, when given, may be called on the calling
         thread as soon as value i is complete, with what the result will hold
@@ -188,13 +191,15 @@ class RemoteTier:
     Capacity is the pool's business (it evicts on its own), so ``capacity``
     is unbounded and ``used`` unknown (-1). Methods may be called from any
     thread; they block for at most about the configured timeout and never
-    raise for a pool failure.
+    raise for a pool failure. ``compress`` (``l4.compress``): as L3's; a
+    compressed value is read whatever the setting.
     """
 
     name = "l4"
 
     def __init__(self, backend: RemoteBackend, layout: KVLayout, key_prefix: str, auth_key: str,
-                 breaker: CircuitBreaker, on_failure: FailureHook | None = None) -> None:
+                 breaker: CircuitBreaker, on_failure: FailureHook | None = None, compress: str = "off",
+                 compress_level: int = 1, compress_threads: int = 1) -> None:
         self.backend = backend
         self.layout = layout
         self.codec = ValueCodec(layout, auth_key)
@@ -207,7 +212,13 @@ class RemoteTier:
         # measured on 2 cores. Without one, xxh3 is too cheap to be worth a thread hop.
         self._mac_helper = ThreadPoolExecutor(1, thread_name_prefix="tierkv-l4-mac") if auth_key else None
         self.counts = {"calls": 0, "failed_calls": 0, "skipped_calls": 0, "hits": 0, "misses": 0,
-                       "bad_values": 0, "bytes_read": 0, "bytes_written": 0}
+                       "bad_values": 0, "bytes_read": 0, "bytes_written": 0, "stored_bytes_written": 0,
+                       "coded_hits": 0}
+        self.compress = compress
+        self._codec = (BlockCodec(layout.itemsize, layout.block_bytes, compress_level, compress_threads)
+                       if compress != "off" else None)
+        self._auto = AutoChooser(self._codec) if compress == "auto" else None
+        self._codec_read: BlockCodec | None = None
 
     @property
     def capacity(self) -> int:
@@ -274,19 +285,35 @@ class RemoteTier:
             if s is not b:
                 s.copy_(b)
         names = [self.key_name(k) for k in keys]
+        src, coded = self._encode(src)
         if self._mac_helper is not None:  # the MAC is the cost: compute the trailers on two threads first
-            trailers = self._map_halves(lambda i: codec.trailer(keys[i], src[i]), len(keys))
+            trailers = self._map_halves(lambda i: codec.trailer(keys[i], src[i], coded[i]), len(keys))
             trailer = trailers.__getitem__
         else:
-            trailer = lambda i: codec.trailer(keys[i], src[i])  # noqa: E731 - built when the backend asks
+            trailer = lambda i: codec.trailer(keys[i], src[i], coded[i])  # noqa: E731 - built when asked
         ok = self._call("write", len(keys), self.backend.write, names, trailer, src)
         if ok is _FAILED:
             return [False] * len(keys)
         if not all(ok):
             self._on_failure(self.name, "put_rejected", len(ok) - sum(ok),
                              f"{self.backend.url}: the pool refused {len(ok) - sum(ok)} of {len(ok)} value(s)")
-        self._count(bytes_written=sum(ok) * codec.payload_bytes)
+        self._count(bytes_written=sum(ok) * codec.payload_bytes,
+                    stored_bytes_written=sum(s.nbytes for s, good in zip(src, ok) if good))
         return list(ok)
+
+    def _encode(self, blocks: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[int]]:
+        """The payloads to store (a block, or its compressed bytes) and each one's compress flags.
+        ``auto`` while off codes a sample block now and then instead (its ratio and decode time)."""
+        if self._codec is None:
+            return blocks, [0] * len(blocks)
+        views = [as_bytes(b) for b in blocks]
+        if self._auto is not None and not self._auto.choice.on:
+            if views and self._auto.needs_samples():
+                self._auto.sample(views[0])
+            return blocks, [0] * len(blocks)
+        stored = self._codec.encode_many(views)
+        out = [b if c is None else torch.frombuffer(bytearray(c), dtype=torch.uint8) for b, c in zip(blocks, stored)]
+        return out, [0 if c is None else self._codec.flags for c in stored]
 
     def register(self, memory: torch.Tensor, room: int = 0) -> None:
         """Register a long-lived CPU pool of blocks (the store's L1 pool, L2 slab), ``memory[i]``
@@ -341,11 +368,13 @@ class RemoteTier:
         # Without a MAC the xxh3 pass is cheapest on a block that just arrived (it is still in
         # cache): measured 1.15-1.20x a pass over the whole batch afterwards, on Redis. With one,
         # the BLAKE2b passes are the cost and run on two threads once the batch is in.
+        t0 = time.perf_counter()
         found = self._call("read", len(keys), self.backend.read_into, names, blocks,
                            landed if self._mac_helper is None else None)
         out = [False] * len(keys)
         if found is _FAILED:
             return out
+        seconds = time.perf_counter() - t0
 
         def verdict_of(i: int) -> str | None:
             if i in early:
@@ -355,6 +384,7 @@ class RemoteTier:
 
         verdicts = (self._map_halves(verdict_of, len(keys)) if self._mac_helper is not None
                     else [verdict_of(i) for i in range(len(keys))])
+        coded_hits = self._decode(verdicts, found, blocks, seconds)
         bad: dict[str, int] = {}
         for i, verdict in enumerate(verdicts):
             if verdict is None:
@@ -369,8 +399,36 @@ class RemoteTier:
             self._on_failure(self.name, verdict, n, f"{self.backend.url}: {n} value(s) rejected as {verdict}")
         hits = sum(out)
         self._count(hits=hits, misses=len(keys) - hits, bad_values=sum(bad.values()),
-                    bytes_read=hits * codec.payload_bytes)
+                    bytes_read=hits * codec.payload_bytes, coded_hits=coded_hits)
         return out
+
+    def _decode(self, verdicts: list[str | None], found: list[tuple[int, bytes]], blocks: list[torch.Tensor],
+                seconds: float) -> int:
+        """Decode, in place, each good compressed value whose stored bytes lie at its block's start;
+        one that does not decode becomes CORRUPT in ``verdicts``. Times raw batches for ``auto``.
+        Returns how many were decoded."""
+        todo = [i for i, v in enumerate(verdicts) if v == OK and self.codec.coded(found[i][1])]
+        if not todo:
+            if self._auto is not None and any(v == OK for v in verdicts):
+                self._auto.raw_read(sum(v == OK for v in verdicts) * self.codec.payload_bytes, seconds)
+            return 0
+        if self._codec is None and self._codec_read is None:
+            self._codec_read = BlockCodec(self.layout.itemsize, self.layout.block_bytes)
+        decoder = self._codec or self._codec_read
+        items = []
+        for i in todo:
+            whole = as_bytes(blocks[i])
+            items.append((whole[:self.codec.stored_bytes(found[i][1])], self.codec.coded(found[i][1]), whole))
+        for i, good in zip(todo, decoder.decode_many(items)):
+            if not good:
+                verdicts[i] = CORRUPT
+        return len(todo)
+
+    def compression(self) -> dict:
+        """``l4.compress`` as this tier runs it, and ``auto``'s current choice (None otherwise)."""
+        choice = self._auto.choice if self._auto is not None else None
+        return {"mode": self.compress, "auto": None if choice is None else {"on": choice.on, "gain": round(
+            choice.gain, 3), "why": choice.why}}
 
     def _map_halves(self, fn: Callable[[int], object], n: int) -> list:
         """``[fn(i) for i in range(n)]`` with the second half on the MAC helper thread."""
@@ -393,11 +451,14 @@ class RemoteTier:
         with self._lock:
             out = dict(self.counts)
         out.update(breaker=self.breaker.state, breaker_opens=self.breaker.opens,
-                   authenticated=self.codec.authenticated, **self.backend.info())
+                   authenticated=self.codec.authenticated, compress=self.compression(), **self.backend.info())
         return out
 
     def close(self) -> None:
         self.backend.close()
+        for codec in (self._codec, self._codec_read):
+            if codec is not None:
+                codec.close()
         if self._mac_helper is not None:
             self._mac_helper.shutdown(wait=True)
 

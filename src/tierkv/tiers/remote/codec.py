@@ -9,7 +9,10 @@ value's first byte and moves to and from the caller's memory in one piece) is::
 
 With ``l4.auth_key`` set, the MAC is a keyed BLAKE2b-128 over the first 48
 trailer bytes and the payload, so a value written by anyone without the key is
-a miss. A value that is foreign, truncated, of another layout or fails its
+a miss. With ``l4.compress`` on, the payload of a block that shrinks is its
+compressed bytes (``tierkv.compress``): flags bits 1-2 say how it was coded,
+the length and checksum are those of the stored bytes, so damage is found
+before anything is decoded. Raw values (flags 0-1) read as before. A value that is foreign, truncated, of another layout or fails its
 checksum is a miss too, counted by its verdict, never wrong KV. Pure: no I/O.
 """
 
@@ -29,6 +32,8 @@ from tierkv.tiers.base import as_bytes, copy_block
 MAGIC = b"TKV4"
 VERSION = 2  # 1 was header-first
 FLAG_MAC = 1
+CODED_SHIFT = 1  # flags >> CODED_SHIFT: the tierkv.compress flags of the payload (0: raw)
+_CODED_MASK = 0b11
 _TAIL = struct.Struct("<4sHH8s16sQQ")  # magic, version, flags, fingerprint, key, length, checksum
 MAC_BYTES = 16
 TRAILER_BYTES = _TAIL.size + MAC_BYTES  # 64
@@ -59,10 +64,11 @@ class ValueCodec:
         h.update(payload)
         return h.digest()
 
-    def trailer(self, key: bytes, payload) -> bytes:
+    def trailer(self, key: bytes, payload, coded: int = 0) -> bytes:
         """The 64 trailer bytes for ``payload`` (a buffer, or a contiguous CPU tensor) stored
-        under ``key``; reads the payload once, twice with a MAC."""
-        flags = FLAG_MAC if self._mac_key else 0
+        under ``key``, compressed with ``tierkv.compress`` flags ``coded`` (0: the raw block);
+        reads the payload once, twice with a MAC."""
+        flags = (FLAG_MAC if self._mac_key else 0) | coded << CODED_SHIFT
         fields = _TAIL.pack(MAGIC, VERSION, flags, self.fingerprint, key, _nbytes(payload), _xxh3(payload))
         mac = self._mac(fields, _raw(payload)) if self._mac_key else bytes(MAC_BYTES)
         return fields + mac
@@ -73,41 +79,53 @@ class ValueCodec:
         copy_block(torch.frombuffer(payload, dtype=torch.uint8), block.reshape(-1).view(torch.uint8))
         out[self.payload_bytes:self.value_bytes] = self.trailer(key, payload)
 
-    def _check_trailer(self, key: bytes, length: int, tail: bytes | memoryview) -> tuple[str, int]:
-        """(verdict, checksum) of a ``length``-byte value from its last bytes ``tail`` alone.
-
-        Verdict OK means the payload is worth hashing.
+    def _check_trailer(self, key: bytes, length: int, tail: bytes | memoryview) -> tuple[str, int, int]:
+        """(verdict, checksum, stored payload bytes) of a ``length``-byte value from its last bytes
+        ``tail`` alone. Verdict OK means the payload is worth hashing.
         """
         if length < TRAILER_BYTES or len(tail) < TRAILER_BYTES:
             # Too short to hold a trailer, or one larger than a staging slot (the backend kept none).
-            return (LAYOUT if length > self.value_bytes else TRUNCATED), 0
+            return (LAYOUT if length > self.value_bytes else TRUNCATED), 0, 0
         magic, version, flags, fp, vkey, size, checksum = _TAIL.unpack_from(tail, len(tail) - TRAILER_BYTES)
         if magic != MAGIC or version != VERSION or vkey != key:
             # A value cut short ends inside its payload: no trailer where one should be.
-            return (TRUNCATED if length < self.value_bytes else FOREIGN), 0
-        if fp != self.fingerprint or size != self.payload_bytes:
-            return LAYOUT, 0
+            return (TRUNCATED if length < self.value_bytes else FOREIGN), 0, 0
+        coded = flags >> CODED_SHIFT
+        if fp != self.fingerprint or coded > _CODED_MASK or (
+                size != self.payload_bytes if not coded else not 0 < size < self.payload_bytes):
+            return LAYOUT, 0, 0
         if length != size + TRAILER_BYTES:
-            return TRUNCATED, 0
+            return TRUNCATED, 0, 0
         if self._mac_key and not flags & FLAG_MAC:
-            return UNAUTHENTICATED, 0
-        return OK, checksum
+            return UNAUTHENTICATED, 0, 0
+        return OK, checksum, size
+
+    def coded(self, tail: bytes | memoryview) -> int:
+        """The ``tierkv.compress`` flags of a value whose trailer ``verify`` found OK (0: raw)."""
+        return _TAIL.unpack_from(tail, len(tail) - TRAILER_BYTES)[2] >> CODED_SHIFT
+
+    def stored_bytes(self, tail: bytes | memoryview) -> int:
+        """The payload length a good trailer records (the block's size, or its compressed size)."""
+        return _TAIL.unpack_from(tail, len(tail) - TRAILER_BYTES)[5]
 
     def verify(self, key: bytes, length: int, tail: bytes | memoryview, payload) -> str:
         """OK when a ``length``-byte value, whose last bytes are ``tail`` and whose payload
         sits in ``payload`` (a buffer, or a contiguous CPU tensor), is a whole, untampered block
         of this layout under ``key``; else the reason. ``payload`` is read only when the trailer
         is good: one xxh3 pass (and one BLAKE2b pass with the MAC on), in place, so a backend
-        can land it in the caller's block.
+        can land it in the caller's block. A compressed value's stored bytes lie at the
+        payload's start; only they are read.
         """
-        verdict, checksum = self._check_trailer(key, length, tail)
+        verdict, checksum, size = self._check_trailer(key, length, tail)
         if verdict != OK:
             return verdict
         tail = tail[len(tail) - TRAILER_BYTES:]
-        if self._mac_key and not hmac.compare_digest(self._mac(tail[:_TAIL.size], _raw(payload)),
+        stored = _raw(payload)[:size]
+        if self._mac_key and not hmac.compare_digest(self._mac(tail[:_TAIL.size], stored),
                                                      bytes(tail[_TAIL.size:])):
             return UNAUTHENTICATED
-        return OK if _xxh3(payload) == checksum else CORRUPT
+        found = _xxh3(payload) if size == _nbytes(payload) else xxhash.xxh3_64_intdigest(stored)
+        return OK if found == checksum else CORRUPT
 
     def check(self, key: bytes, value: memoryview) -> str:
         """``verify`` for a whole value in one buffer."""

@@ -196,8 +196,8 @@ class RedisBackend:
                 out.append((-1, b""))
                 continue
             payload = as_bytes(block)
-            if len(value) == len(payload) + TRAILER_BYTES:
-                payload[:] = memoryview(value)[:len(payload)]
+            if TRAILER_BYTES <= len(value) <= len(payload) + TRAILER_BYTES:  # a block, or a compressed one
+                payload[:len(value) - TRAILER_BYTES] = memoryview(value)[:len(value) - TRAILER_BYTES]
             out.append((len(value), bytes(value[-TRAILER_BYTES:])))
         return out
 

@@ -69,10 +69,11 @@ class ReplyReader:
     def bulk(self, payload: memoryview) -> tuple[int, bytes]:
         """The next GET reply: ``(length, tail)`` as ``RemoteBackend.read_into`` returns them.
 
-        A value of ``len(payload) + TRAILER_BYTES`` bytes leaves its payload
-        in ``payload`` and its trailer in ``tail``; any other size is read
-        whole (``payload`` untouched) and ``tail`` is its last bytes. Length
-        -1 is a missing key, ``ERROR`` an error reply.
+        A value of at most ``len(payload) + TRAILER_BYTES`` bytes leaves its
+        first ``length - TRAILER_BYTES`` bytes (the block, or a compressed
+        block) at the start of ``payload`` and its trailer in ``tail``; a
+        larger one is read whole (``payload`` untouched) and ``tail`` is its
+        last bytes. Length -1 is a missing key, ``ERROR`` an error reply.
         """
         line = self._line()
         kind = line[:1]
@@ -80,8 +81,8 @@ class ReplyReader:
             length = int(line[1:])
             if length < 0:
                 return -1, b""
-            if length == len(payload) + TRAILER_BYTES:
-                self._into(payload)
+            if TRAILER_BYTES <= length <= len(payload) + TRAILER_BYTES:
+                self._into(payload[:length - TRAILER_BYTES])
                 tail = bytearray(TRAILER_BYTES + 2)
                 self._into(memoryview(tail))
             else:
