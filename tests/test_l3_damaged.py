@@ -288,10 +288,11 @@ def test_configuration_errors_still_fail_at_start_and_move_nothing(make_store, l
     assert a_file.read_bytes() == b"user data"
     write_l3(make_store)
     before = sha(l3_dir / "index" / "data.mdb")
-    # Another layout's directory is a configuration error, not damage (docs/design.md §2: a block is
-    # never read under another layout; a different model shares it safely, its keys differ).
-    with pytest.raises(ValueError, match=r"^l3\.path: .* holds blocks of layout"):
-        make_store(l1=4, l2=0, l3=L3_BLOCKS, layout=ODD_LAYOUT)
+    # Another layout's blocks are not damage: that layout opens its own directory under l3.path
+    # (docs/design.md §2: a block is never read under another layout), the root is left alone.
+    odd = make_store(l1=4, l2=0, l3=L3_BLOCKS, layout=ODD_LAYOUT)
+    assert odd.l3.path == l3_dir / "layouts" / ODD_LAYOUT.fingerprint and odd.l3.used == 0
+    odd.close()
     assert damaged_dirs(l3_dir) == [] and sha(l3_dir / "index" / "data.mdb") == before
     store = make_store(l1=4, l2=0, l3=L3_BLOCKS)
     with pytest.raises(ValueError, match=r"^l3\.path: "):

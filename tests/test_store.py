@@ -155,7 +155,7 @@ def test_namespace_extra_keys_model_revision_and_layout_isolate(make_store, layo
         other = make_store(l1=4, l2=0, l3=16, **fields)
         assert other.lookup(tokens, pin=False).num_blocks == hits, fields
         other.close()
-    # Another layout gets other keys for the same tokens, and cannot open this L3 at all.
+    # Another layout gets other keys for the same tokens, and its own directory under this l3.path.
     other_layout = make_store(l1=4, l2=0, l3=16, layout=ODD_LAYOUT, path=tmp_path / "odd")
     assert not set(other_layout.hash(tokens)) & set(keys)
     same = make_store(l1=4, l2=0, l3=16)
@@ -164,8 +164,17 @@ def test_namespace_extra_keys_model_revision_and_layout_isolate(make_store, layo
     with pytest.raises(ValueError, match=r"^l3\.path: "):
         make_store(l1=4, l2=0, l3=16)  # already open in this process
     same.close()
-    with pytest.raises(ValueError, match=r"^l3\.path: .* holds blocks of layout"):
-        make_store(l1=4, l2=0, l3=16, layout=ODD_LAYOUT)
+    odd = make_store(l1=4, l2=0, l3=16, layout=ODD_LAYOUT)
+    assert odd.l3.path.parent.name == "layouts" and odd.l3.used == 0
+    save_prompt(odd, prompt(4, 4, ODD_LAYOUT))
+    odd.close()
+    again = make_store(l1=4, l2=0, l3=16)  # the root's layout still finds its blocks, and only them
+    assert again.lookup_keys(keys, pin=False).num_blocks == 4
+    assert again.lookup(prompt(4, 4, ODD_LAYOUT), pin=False).num_blocks == 0
+    again.close()
+    odd = make_store(l1=4, l2=0, l3=16, layout=ODD_LAYOUT)  # reopened: its own directory, its blocks
+    assert odd.l3.used == 4 and odd.lookup(prompt(4, 4, ODD_LAYOUT), pin=False).num_blocks == 4
+    odd.close()
 
 
 def test_reopened_store_hits_l3_in_the_same_process(make_store, layout):

@@ -11,8 +11,15 @@ nor how often it was hit. The ``tierkv`` tools that know both — ``warm``,
 
 The catalog is advisory: a chain without a label shows as namespace ``?`` and
 a block without a count as 0 hits. Several processes may write it at once
-(LMDB serialises writers). This module also opens an existing L3 directory
-with the layout and capacity it was created with, for the offline commands.
+(LMDB serialises writers). One catalog serves every layout under ``l3.path``
+(keys bind the layout, so they never collide).
+
+One ``l3.path`` holds blocks of any number of layouts (fp32 and bf16 of one
+model, two models): the first layout's slot index and file sit at its root,
+each other layout's in ``layouts/<layout fingerprint>/`` (``l3_dir_for``), so
+a store of another dtype opens its own, empty, directory (0 hits) instead of
+being refused. This module also opens existing L3 directories with the layout
+and capacity they were created with, for the offline commands.
 """
 
 from __future__ import annotations
@@ -27,7 +34,7 @@ import lmdb
 
 from tierkv.layout import KVLayout
 from tierkv.tiers.disk import DiskTier, Record
-from tierkv.tiers.disk_open import Damaged, check_before_mapping, damaged_error
+from tierkv.tiers.disk_open import Damaged, ForeignLayout, check_before_mapping, damaged_error
 
 _HIT = struct.Struct("<Qd")  # count, last hit (unix seconds)
 UNLABELLED = "?"
@@ -137,16 +144,102 @@ def stored_layout(l3_path: str | Path) -> tuple[KVLayout, int, dict[str, str]] |
     return layout, capacity, meta
 
 
-def open_l3(l3_path: str | Path, direct_io: bool = True) -> DiskTier:
+LAYOUTS_DIR = "layouts"
+
+
+def layout_subdir(l3_path: str | Path, layout: KVLayout) -> Path:
+    """Where the blocks of ``layout`` live under ``l3_path`` when its root holds another layout."""
+    return Path(l3_path).expanduser() / LAYOUTS_DIR / layout.fingerprint
+
+
+def l3_dirs(l3_path: str | Path) -> list[Path]:
+    """The L3 directories under ``l3_path`` that hold a slot index: the root first, then one per
+    other layout (``layouts/<fingerprint>``) by name. Reads nothing inside them."""
+    root = Path(l3_path).expanduser()
+    subs = sorted(p for p in (root / LAYOUTS_DIR).glob("*") if p.is_dir() and not p.is_symlink()) \
+        if (root / LAYOUTS_DIR).is_dir() else []
+    return [d for d in (root, *subs) if (d / "index" / "data.mdb").exists()]
+
+
+def open_disk(l3_path: str | Path, layout: KVLayout, num_blocks: int, **kwargs) -> DiskTier:
+    """The L3 tier of ``layout`` under ``l3_path`` (``DiskTier``'s keyword arguments pass through):
+    its own ``layouts/<fingerprint>`` directory when one exists or the root holds another layout,
+    else the root. Never refused for the layout: another dtype or model finds its own blocks only."""
+    sub = layout_subdir(l3_path, layout)
+    if (sub / "index" / "data.mdb").exists():
+        return DiskTier(sub, layout, num_blocks, **kwargs)
+    try:
+        return DiskTier(l3_path, layout, num_blocks, **kwargs)
+    except ForeignLayout:
+        if not kwargs.get("create", True):
+            raise FileNotFoundError(f"l3.path: no L3 blocks of layout {layout.fingerprint} under "
+                                    f"{Path(l3_path).expanduser()}") from None
+        return DiskTier(sub, layout, num_blocks, **kwargs)
+
+
+def stored_layouts(l3_path: str | Path) -> list[tuple[Path, KVLayout, int, dict[str, str]]]:
+    """(directory, layout, capacity in blocks, meta) of every L3 directory under ``l3_path``, root first.
+    A damaged one raises ValueError naming it, as ``stored_layout`` does."""
+    out = []
+    for d in l3_dirs(l3_path):
+        found = stored_layout(d)
+        if found is not None:
+            out.append((d, *found))
+    return out
+
+
+def other_layouts(l3_path: str | Path, own: str | Path | None) -> list[tuple[Path, KVLayout, dict[str, str]]]:
+    """(directory, layout, meta) of the L3 directories under ``l3_path`` other than ``own`` (every
+    one when None); a damaged one is left out (the store that opens it deals with it)."""
+    out = []
+    mine = Path(own).expanduser().resolve() if own is not None else None
+    for d in l3_dirs(l3_path):
+        if d.resolve() == mine:
+            continue
+        try:
+            found = stored_layout(d)
+        except ValueError:
+            continue
+        if found is not None:
+            out.append((d, found[0], found[2]))
+    return out
+
+
+def open_dir(directory: str | Path, direct_io: bool = True) -> DiskTier:
+    """Exactly the L3 directory ``directory`` (one of ``l3_dirs``), with the layout and capacity it
+    was created with. FileNotFoundError when it holds no L3; ValueError naming it when damaged."""
+    found = stored_layout(directory)
+    if found is None:
+        raise FileNotFoundError(f"l3.path: no tierkv L3 directory at {Path(directory).expanduser()}")
+    return DiskTier(directory, found[0], found[1], direct_io=direct_io, create=False)
+
+
+def open_each(l3_path: str | Path, direct_io: bool = True) -> list[DiskTier]:
+    """Every layout's L3 directory under ``l3_path`` opened as it was created, root first (offline tools)."""
+    return [DiskTier(d, lay, cap, direct_io=direct_io, create=False) for d, lay, cap, _ in stored_layouts(l3_path)]
+
+
+def open_l3(l3_path: str | Path, direct_io: bool = True, layout: str | None = None) -> DiskTier:
     """Open an existing L3 directory with the layout and capacity it was created with.
 
-    Raises FileNotFoundError naming the path when there is no L3 there.
+    ``l3_path`` is an ``l3.path`` (the only layout under it, or the one whose fingerprint starts
+    with ``layout``) or one of its ``l3_dirs``. Raises FileNotFoundError naming the path when there
+    is no L3 there, ValueError naming the layouts when several are there and ``layout`` is None.
     """
-    found = stored_layout(l3_path)
-    if found is None:
-        raise FileNotFoundError(f"l3.path: no tierkv L3 directory at {Path(l3_path).expanduser()}")
-    layout, capacity, _ = found
-    return DiskTier(l3_path, layout, capacity, direct_io=direct_io, create=False)
+    path = Path(l3_path).expanduser()
+    if path.parent.name == LAYOUTS_DIR:
+        return open_dir(path, direct_io)
+    every = stored_layouts(path)
+    picked = [e for e in every if layout is None or e[1].fingerprint.startswith(layout)]
+    if not picked:
+        which = "" if layout is None else f" of layout {layout}"
+        raise FileNotFoundError(f"l3.path: no tierkv L3 directory{which} at {path}")
+    if len(picked) > 1:
+        raise ValueError(f"l3.path: {path} holds blocks of {len(picked)} layouts ("
+                         + "; ".join(f"{e[1].fingerprint} {e[1].dtype}" for e in picked)
+                         + "); name one with --layout")
+    where, lay, capacity, _ = picked[0]
+    return DiskTier(where, lay, capacity, direct_io=direct_io, create=False)
 
 
 def subtree(records: Sequence[Record], roots: Iterable[bytes]) -> set[bytes]:

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 import xxhash
 
-from tierkv.catalog import Catalog, stored_layout
+from tierkv.catalog import Catalog, open_disk, stored_layouts
 from tierkv.identity import IDENTITY_PREFIX
 from tierkv.layout import KVLayout
 from tierkv.tiers.base import Lineage
@@ -128,19 +128,16 @@ def read_manifest(path: str | Path) -> dict:
 
 
 def check_compatible(manifest: dict, l3_path: str | Path) -> KVLayout:
-    """The snapshot's layout, after checking it and its model against the L3 at ``l3_path`` (if any)."""
+    """The snapshot's layout, after checking its model against the L3 directory of that layout under
+    ``l3_path`` (if any)."""
     layout = KVLayout(**manifest["layout"])
     if layout.fingerprint != manifest["layout_fingerprint"]:
         raise SnapshotError("manifest: layout_fingerprint does not match its layout; the snapshot is damaged")
-    found = stored_layout(l3_path)
-    if found is None:
+    # Blocks of another layout (another dtype) live in their own directory under l3_path: no conflict.
+    found = [e for e in stored_layouts(l3_path) if e[1].fingerprint == layout.fingerprint]
+    if not found:
         return layout
-    have, _, meta = found
-    if have.fingerprint != layout.fingerprint:
-        raise SnapshotError(
-            f"import refused: the snapshot holds blocks of layout {layout.fingerprint} {layout.to_dict()}, "
-            f"the store at {l3_path} has layout {have.fingerprint} {have.to_dict()}; "
-            "import into another --cache-dir or clear this one with `tierkv evict --all`")
+    _, _, _, meta = found[0]
     for field in ("model_id", "model_revision"):
         mine, theirs = meta.get(field), manifest.get(field)
         if mine is not None and mine != theirs:
@@ -172,7 +169,7 @@ def import_l3(src: str | Path, l3_path: str | Path, capacity_blocks: int, direct
         records = [json.loads(line) for line in records_blob.decode().splitlines() if line]
         if len(records) != count:
             raise SnapshotError(f"{src}: manifest counts {count} blocks, records.jsonl holds {len(records)}")
-        l3 = DiskTier(l3_path, layout, max(capacity_blocks, count), meta, direct_io)
+        l3 = open_disk(l3_path, layout, max(capacity_blocks, count), meta=meta, direct_io=direct_io)
         try:
             written = _copy_blocks(tar.extractfile("blocks.bin"), records, l3, manifest, src, progress)
         finally:

@@ -23,6 +23,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
+from tierkv.catalog import other_layouts
 from tierkv.config import StoreConfig
 from tierkv.cost import CostModel, calibrate
 from tierkv.events import TierEvents, TierListener
@@ -151,7 +152,9 @@ class TierKVStore:
 
     def _say_foreign_identities(self) -> None:
         """Once per open: an L3 that other model identities wrote finds none of their blocks under
-        this one's keys; say so, naming the fields that differ from the one seen last."""
+        this one's keys; say so, naming the fields that differ from the one seen last. Blocks of
+        other layouts under the same ``l3.path`` (another dtype) sit in their own directories: say
+        that too, once, with the fields in which their last identity differs."""
         others = [(i, t) for i, t in self.recorded_identities() if i.digest != self.identity.digest]
         if others:
             ident, seen = others[0]
@@ -159,6 +162,15 @@ class TierKVStore:
                         "this one (%s); the last one differs in: %s", self.config.l3.path, len(others),
                         "y" if len(others) == 1 else "ies", self.identity.digest[:12],
                         "; ".join(self.identity.diff(ident)))
+        elsewhere = other_layouts(self.config.l3.path, self.tiers[Tier.L3].path)
+        if elsewhere:
+            last = max((r for _, _, meta in elsewhere for r in recorded(meta)), key=lambda r: r[1], default=None)
+            differs = "; ".join(self.identity.diff(last[0])) if last is not None else "a model identity not recorded"
+            log.warning("tierkv l3 %s: blocks of %d other layout%s (%s) are kept in their own directories and "
+                        "are not found under this one (%s %s); the last one differs in: %s", self.config.l3.path,
+                        len(elsewhere), "" if len(elsewhere) == 1 else "s",
+                        ", ".join(f"{lay.fingerprint[:12]} {lay.dtype}" for _, lay, _ in elsewhere),
+                        self.layout.fingerprint[:12], self.layout.dtype, differs)
 
     def recorded_identities(self) -> list[tuple[ModelIdentity, float]]:
         """(identity, last opened) of every model identity L3 records, this one included, newest first."""
@@ -168,17 +180,18 @@ class TierKVStore:
     # -- keys -----------------------------------------------------------------
 
     def seed(self, namespace: str | None = None, extra_keys: Sequence[str] = (),
-             identity: ModelIdentity | None = None) -> bytes:
-        """The root of every chain of this store's identity (or ``identity``, for ``why``), layout,
-        namespace (``config.namespace`` when None) and per-request extra keys (LoRA, cache salt)."""
+             identity: ModelIdentity | None = None, layout: KVLayout | None = None) -> bytes:
+        """The root of every chain of this store's identity and layout (or ``identity`` / ``layout``,
+        for ``why``), namespace (``config.namespace`` when None) and per-request extra keys (LoRA,
+        cache salt)."""
         ident = identity or self.identity
         ns = self.config.namespace if namespace is None else namespace
         k = (ident.digest, ns, tuple(extra_keys))
-        s = self._seeds.get(k)
+        s = self._seeds.get(k) if layout is None else None
         if s is None:
             s = self.hasher.seed(ident.get("model_id", ""), ident.get("model_revision", ""),
-                                 self.layout.fingerprint, ns, ("identity:" + ident.digest, *extra_keys))
-            if identity is None:
+                                 (layout or self.layout).fingerprint, ns, ("identity:" + ident.digest, *extra_keys))
+            if identity is None and layout is None:
                 self._seeds[k] = s
         return s
 
@@ -395,7 +408,7 @@ class TierKVStore:
         if self.evictions is None:
             log_ = EvictionLog(capacity)
             if Tier.L3 in self.tiers:
-                log_.load(self.config.l3.path)
+                log_.load(self.tiers[Tier.L3].path)
             self.add_tier_listener(log_, by_tier=True)
             self.evictions = self.loader.evictions = log_
         return self.evictions
@@ -449,7 +462,7 @@ class TierKVStore:
             self.events.flush()
         self.events.close()
         if self.evictions is not None and Tier.L3 in self.tiers:
-            self.evictions.save(self.config.l3.path)
+            self.evictions.save(self.tiers[Tier.L3].path)
         for tier in reversed(self.tiers.values()):
             tier.close()
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from tierkv.catalog import open_disk
 from tierkv.config import StoreConfig
 from tierkv.cost import CostModel
 from tierkv.identity import ModelIdentity, meta_records
@@ -18,7 +19,6 @@ from tierkv.policy import make_policy
 from tierkv.policy.hit_density import ghosts_for
 from tierkv.tiers.base import BlockTier, FailureHook
 from tierkv.tiers.device import DeviceTier
-from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.host import HostTier
 from tierkv.tiers.remote import open_remote, trailer_room
 
@@ -26,7 +26,8 @@ from tierkv.tiers.remote import open_remote, trailer_room
 def open_tiers(cfg: StoreConfig, layout: KVLayout, l1_blocks: int | None,
                on_failure: FailureHook, identity: ModelIdentity | None = None) -> tuple[dict[int, BlockTier], Outbox | None]:
     """The configured tiers (a tier of no blocks is absent) and, when L3 or L4 exists, the outbox.
-    L3 records ``identity`` (``identity.meta_records``) each time it is opened."""
+    L3 records ``identity`` (``identity.meta_records``) each time it is opened; it is the directory
+    of ``layout`` under ``l3.path`` (``catalog.open_disk``)."""
     tiers: dict[int, BlockTier] = {}
     room = trailer_room(cfg.l4.url)  # with a Mooncake L4, CPU slots keep room for the value trailer
     n1 = cfg.l1.num_blocks if l1_blocks is None else l1_blocks
@@ -38,8 +39,9 @@ def open_tiers(cfg: StoreConfig, layout: KVLayout, l1_blocks: int | None,
         meta = {"model_id": cfg.model_id, "model_revision": cfg.model_revision}
         if identity is not None:
             meta.update(meta_records(identity, time.time()))
-        tiers[Tier.L3] = DiskTier(cfg.l3.path, layout, cfg.l3.capacity // layout.block_bytes, meta,
-                                  cfg.l3.direct_io, on_failure, read_depth=cfg.l3.read_depth)
+        # Another layout under the same l3.path (fp32 beside bf16) opens its own directory: 0 hits, not refused.
+        tiers[Tier.L3] = open_disk(cfg.l3.path, layout, cfg.l3.capacity // layout.block_bytes, meta=meta,
+                                   direct_io=cfg.l3.direct_io, on_failure=on_failure, read_depth=cfg.l3.read_depth)
     # Demoted blocks wait in the outbox for the IO thread: registered with the pool's client.
     outbox = Outbox(layout, room) if cfg.l4.url or Tier.L3 in tiers else None
     if cfg.l4.url:

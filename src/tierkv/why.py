@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from tierkv.identity import recorded
 from tierkv.index import Tier
 from tierkv.metrics import TIER_NAMES
 
@@ -158,6 +159,8 @@ def explain(store, token_ids: Sequence[int], namespace: str | None = None,
             if tier is not None:
                 elsewhere[i] = (ident, store.identity.diff(ident))
                 missing.remove(i)
+    if missing:
+        elsewhere.update(_other_layouts(store, token_ids, namespace, extra_keys, missing))
     log = getattr(store, "evictions", None)
     out = []
     for i, key in enumerate(keys):
@@ -173,6 +176,40 @@ def explain(store, token_ids: Sequence[int], namespace: str | None = None,
         else:
             out.append(BlockWhy(status="not_computed", **base))
     return out
+
+
+def _other_layouts(store, token_ids: Sequence[int], namespace: str | None, extra_keys: Sequence[str],
+                   missing: list[int]) -> dict[int, tuple[object, list[str]]]:
+    """Blocks ``missing`` here that an L3 directory of another layout under the same ``l3.path``
+    holds (another dtype), under one of the identities it records: block -> (identity, fields differing)."""
+    from tierkv.catalog import open_dir, other_layouts
+
+    l3 = store.tiers.get(Tier.L3)
+    found: dict[int, tuple[object, list[str]]] = {}
+    for where, layout, meta in other_layouts(store.config.l3.path, l3.path if l3 is not None else None):
+        todo = [i for i in missing if i not in found]
+        if not todo or layout.block_size != store.block_size:
+            continue
+        try:
+            disk = open_dir(where)
+        except (OSError, ValueError):  # gone or damaged since listed: nothing to say about it
+            continue
+        try:
+            for ident, _ in recorded(meta):
+                theirs = store.hasher.hash_blocks(list(token_ids), store.block_size,
+                                                  store.seed(namespace, extra_keys, identity=ident, layout=layout))
+                for i, there in zip(todo, disk.contains([theirs[i] for i in todo])):
+                    if there and i not in found:  # a declared identity may name no dtype: the layout does
+                        found[i] = (ident, store.identity.diff(ident) or [_layout_diff(layout, store.layout)])
+        finally:
+            disk.close()
+    return found
+
+
+def _layout_diff(theirs, mine) -> str:
+    if theirs.dtype != mine.dtype:
+        return f"layout dtype {theirs.dtype} → {mine.dtype}"
+    return f"layout {theirs.fingerprint[:8]}… → {mine.fingerprint[:8]}…"
 
 
 def _where(store, keys: Sequence[bytes]) -> list[int | None]:

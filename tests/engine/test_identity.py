@@ -7,8 +7,9 @@ of k_proj), ``hf_overrides`` (rope_theta), another ``cache_salt`` — and must
 load 0 tokens from tierkv with ids equal to a cache-less run of the changed
 configuration, while ``why`` names the field that differs. The same
 configuration restarted loads the prefix and gives the same ids. Another
-dtype is another block layout: the L3 directory refuses it at start, naming
-both layouts (a store never reads a block under another layout).
+dtype is another block layout: it opens its own directory under the same
+``l3.path`` (``layouts/<fingerprint>``), loads 0 tokens, says once which field
+differs, and each dtype restarted finds its own blocks.
 """
 
 from __future__ import annotations
@@ -110,11 +111,21 @@ def test_a_changed_identity_loads_nothing_and_why_names_the_field(filled, change
         assert loaded == 9 * 16 and again == filled["ids"]
 
 
-def test_another_dtype_is_refused_by_the_l3_directory_naming_both_layouts(filled):
-    with pytest.raises(ValueError, match=r"^l3.path: .* holds blocks of layout .* this store's layout is"):
-        run(filled["model"], filled["l3"], dtype="bfloat16")
-    ids, loaded, _ = run(filled["model"], None, dtype="bfloat16")
-    assert loaded == 0 and len(ids) == len(filled["ids"])
+def test_another_dtype_loads_nothing_from_its_own_directory_and_why_names_dtype(filled, caplog):
+    with caplog.at_level("WARNING", logger="tierkv"):
+        ids, loaded, why = run(filled["model"], filled["l3"], dtype="bfloat16")
+    reference, _, _ = run(filled["model"], None, dtype="bfloat16")
+    assert loaded == 0 and ids == reference
+    assert {b.status for b in why} == {"other_identity"}
+    assert all(any(d.startswith("dtype ") for d in b.differs) for b in why), why[0].differs
+    said = [r.getMessage() for r in caplog.records if "other layout" in r.getMessage()]
+    assert len(said) == 1 and "float32" in said[0] and "dtype float32 → bfloat16" in said[0], said
+    layouts = sorted(p.name for p in (filled["l3"] / "layouts").iterdir())
+    assert len(layouts) == 1  # bf16's blocks in their own directory, the fp32 root untouched
+    again, loaded, _ = run(filled["model"], filled["l3"])
+    assert loaded == 9 * 16 and again == filled["ids"]
+    again, loaded, _ = run(filled["model"], filled["l3"], dtype="bfloat16")  # and bf16 restarted hits its own
+    assert loaded == 9 * 16 and again == reference
 
 
 def test_a_rewritten_weight_file_is_hashed_again_and_an_unchanged_one_costs_a_stat(tmp_path, tiny_dir):

@@ -13,7 +13,7 @@ import typer
 from rich import box
 from rich.table import Table
 
-from tierkv.catalog import Catalog, open_l3, stored_layouts
+from tierkv.catalog import Catalog, open_dir, stored_layouts
 from tierkv.cli.common import (
     CacheDir, CLIError, ConfigFile, Debug, Json, app, console, human_age, human_bytes, print_json, settings,
 )
@@ -76,7 +76,7 @@ def local_info(s) -> dict:
         l3["layouts"] = [{"fingerprint": lay.fingerprint, "dtype": lay.dtype, "dir": str(d), "capacity_blocks": cap,
                           "identities": [ident.digest for ident, _ in recorded(meta)]}
                          for d, lay, cap, meta in every]
-    disk = open_l3(every[0][0], cfg.l3.direct_io)
+    disk = open_dir(every[0][0], cfg.l3.direct_io)
     try:
         meta = disk.meta()
         l3.update(present=True, capacity_blocks=disk.capacity, used_blocks=disk.used,

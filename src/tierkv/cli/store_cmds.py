@@ -12,7 +12,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 from rich.tree import Tree
 
-from tierkv.catalog import UNLABELLED, Catalog, evict, open_l3, orphans, stored_layout
+from tierkv.catalog import LAYOUTS_DIR, UNLABELLED, Catalog, evict, l3_dirs, open_dir, open_each, open_l3, orphans, stored_layout
 from tierkv.cli.common import (
     CacheDir, CLIError, ConfigFile, Debug, Json, app, console, human_age, human_bytes, parse_duration,
     print_json, settings,
@@ -21,12 +21,30 @@ from tierkv.snapshot import SnapshotError, export_l3, import_l3, read_manifest
 from tierkv.tiers.disk_open import DamagedL3
 
 
-def _open(s):
+def _open(s, layout: str | None = None):
+    """The one L3 directory under ``s.l3_path`` (or the one of ``layout``, a fingerprint prefix)."""
     try:
-        return open_l3(s.l3_path, s.config.l3.direct_io)
+        return open_l3(s.l3_path, s.config.l3.direct_io, layout)
     except FileNotFoundError:
-        raise CLIError(f"no L3 cache at {s.l3_path} (warm one with `tierkv run` or `tierkv warm`, "
-                       "or pass --cache-dir)") from None
+        raise CLIError(f"no L3 cache at {s.l3_path}" + (f" of layout {layout}" if layout else "")
+                       + " (warm one with `tierkv run` or `tierkv warm`, or pass --cache-dir)") from None
+    except DamagedL3:
+        raise
+    except ValueError as exc:  # several layouts and none named
+        raise CLIError(str(exc), 2) from None
+
+
+def _open_each(s) -> list:
+    """Every layout's L3 directory under ``s.l3_path`` (fp32 and bf16 blocks live apart), root first."""
+    disks = open_each(s.l3_path, s.config.l3.direct_io)
+    if not disks:
+        _open(s)  # raises the CLIError that says there is no L3
+    return disks
+
+
+def _close_all(disks) -> None:
+    for d in disks:
+        d.close()
 
 
 # -- ls -------------------------------------------------------------------------
@@ -72,29 +90,46 @@ def ls_cmd(
 ) -> None:
     """List the cached prefixes in L3 as a tree: each line is a run of blocks with its depth, tier, hits and age."""
     s = settings(cache_dir, config, debug)
-    l3 = _open(s)
+    disks = _open_each(s)
     catalog = Catalog(s.l3_path)
     try:
-        records = list(l3.records())
-        segs, tree = _segments(records, catalog.namespaces(), catalog.hits(), time.time())
-        bs = l3.layout.block_size
+        labels, hits, now = catalog.namespaces(), catalog.hits(), time.time()
+        parts = []  # (layout, records, segments, tree) per layout directory
+        for l3 in disks:
+            records = list(l3.records())
+            parts.append((l3.layout, records, *_segments(records, labels, hits, now)))
     finally:
         catalog.close()
-        l3.close()
-    tops = [g for g in tree.get(None, []) if namespace is None or g["namespace"] == namespace]
+        _close_all(disks)
+    several = len(parts) > 1
     if json_out:
-        keep = subtree_ids(tops, tree)
-        print_json({"block_size": bs, "segments": [g for g in segs if g["id"] in keep]})
+        out, first = [], 0
+        for layout, _, segs, tree in parts:
+            tops = [g for g in tree.get(None, []) if namespace is None or g["namespace"] == namespace]
+            keep = subtree_ids(tops, tree)
+            for g in segs:
+                if g["id"] in keep:  # ids unique across layouts
+                    g = {**g, "id": g["id"] + first, "parent": None if g["parent"] is None else g["parent"] + first}
+                    out.append({**g, "layout": layout.fingerprint} if several else g)
+            first += len(segs)
+        doc = {"block_size": parts[0][0].block_size, "segments": out}
+        if several:
+            doc["layouts"] = [{"fingerprint": lay.fingerprint, "dtype": lay.dtype, "block_size": lay.block_size,
+                               "blocks": len(recs)} for lay, recs, _, _ in parts]
+        print_json(doc)
         return
-    root = Tree(f"[bold]{s.l3_path}[/] — {len(records)} blocks, {len(tops)} chain{'s' if len(tops) != 1 else ''}"
-                + (f" in namespace {namespace!r}" if namespace is not None else ""))
-    by_ns: dict[str, Tree] = {}
-    for g in tops:
-        ns_node = by_ns.get(g["namespace"])
-        if ns_node is None:
-            ns_node = by_ns[g["namespace"]] = root.add(f"namespace [cyan]{g['namespace'] or '(default)'}[/]")
-        _render(ns_node, g, tree, bs, depth)
-    console.print(root)
+    for layout, records, segs, tree in parts:
+        tops = [g for g in tree.get(None, []) if namespace is None or g["namespace"] == namespace]
+        where = f"{s.l3_path} [layout {layout.fingerprint[:12]} {layout.dtype}]" if several else f"{s.l3_path}"
+        root = Tree(f"[bold]{where}[/] — {len(records)} blocks, {len(tops)} chain{'s' if len(tops) != 1 else ''}"
+                    + (f" in namespace {namespace!r}" if namespace is not None else ""))
+        by_ns: dict[str, Tree] = {}
+        for g in tops:
+            ns_node = by_ns.get(g["namespace"])
+            if ns_node is None:
+                ns_node = by_ns[g["namespace"]] = root.add(f"namespace [cyan]{g['namespace'] or '(default)'}[/]")
+            _render(ns_node, g, tree, layout.block_size, depth)
+        console.print(root)
 
 
 def subtree_ids(tops, tree) -> set[int]:
@@ -130,20 +165,24 @@ def verify_cmd(
 ) -> None:
     """Read every L3 block and check its checksum; exit 1 if bad blocks remain."""
     s = settings(cache_dir, config, debug)
-    l3 = _open(s)
+    disks = _open_each(s)
     started = time.perf_counter()
+    checked, bad, stranded = 0, [], set()
     try:
-        checked, bad = l3.verify(repair=repair)
-        stranded: set[bytes] = set()
-        if repair:
-            stranded = orphans(list(l3.records()))
-            l3.remove(sorted(stranded))
-            if bad or stranded:
-                catalog = Catalog(s.l3_path)
-                catalog.forget([*bad, *stranded])
-                catalog.close()
+        for l3 in disks:  # every layout's directory
+            n, wrong = l3.verify(repair=repair)
+            checked += n
+            bad += wrong
+            if repair:
+                lost = orphans(list(l3.records()))
+                l3.remove(sorted(lost))
+                stranded |= lost
+        if repair and (bad or stranded):
+            catalog = Catalog(s.l3_path)
+            catalog.forget([*bad, *stranded])
+            catalog.close()
     finally:
-        l3.close()
+        _close_all(disks)
     report = {"path": str(s.l3_path), "checked": checked, "bad": [k.hex() for k in bad],
               "removed": len(bad) + len(stranded) if repair else 0, "orphans_removed": len(stranded),
               "seconds": round(time.perf_counter() - started, 3)}
@@ -197,15 +236,16 @@ def evict_all(l3_path: Path) -> dict:
     count unknown, reported as 0 with the damage). The damaged-* directories stay for inspection."""
     removed = nbytes = 0
     damaged = None
-    try:
-        if stored_layout(l3_path) is not None:
-            l3 = open_l3(l3_path)
-            removed = l3.used
-            nbytes = removed * l3.block_bytes
-            l3.close()
-    except DamagedL3 as exc:  # clearing is what --all is for
-        damaged = str(exc)
-    for name in ("index", "catalog"):
+    for d in l3_dirs(l3_path):  # the root and every other layout's directory
+        try:
+            if stored_layout(d) is not None:
+                l3 = open_dir(d)
+                removed += l3.used
+                nbytes += l3.used * l3.block_bytes
+                l3.close()
+        except DamagedL3 as exc:  # clearing is what --all is for
+            damaged = str(exc)
+    for name in ("index", "catalog", LAYOUTS_DIR):
         shutil.rmtree(l3_path / name, ignore_errors=True)
     (l3_path / "slots.bin").unlink(missing_ok=True)
     report = {"path": str(l3_path), "removed": removed, "bytes": nbytes, "left": 0}
@@ -216,15 +256,16 @@ def evict_all(l3_path: Path) -> dict:
 
 def evict_some(s, namespaces: set[str], cutoff: float | None) -> dict:
     """Remove the chains of ``namespaces`` or the blocks created before ``cutoff``, with their descendants."""
-    l3 = _open(s)
+    disks = _open_each(s)
     catalog = Catalog(s.l3_path)
+    removed = left = nbytes = 0
     try:
-        removed = evict(l3, catalog, namespaces, cutoff)
-        left = l3.used
-        nbytes = removed * l3.block_bytes
+        for l3 in disks:  # every layout's directory
+            n = evict(l3, catalog, namespaces, cutoff)
+            removed, left, nbytes = removed + n, left + l3.used, nbytes + n * l3.block_bytes
     finally:
         catalog.close()
-        l3.close()
+        _close_all(disks)
     return {"path": str(s.l3_path), "removed": removed, "bytes": nbytes, "left": left}
 
 
@@ -234,11 +275,12 @@ def evict_some(s, namespaces: set[str], cutoff: float | None) -> dict:
 @app.command("export", epilog="Example: `tierkv export warm-cache.tar` then on another node `tierkv import warm-cache.tar`")
 def export_cmd(
     file: Annotated[Path, typer.Argument(help="Snapshot file to write (a tar with a manifest).")],
+    layout: Annotated[str | None, typer.Option("--layout", help="Where L3 holds several layouts: the fingerprint (or its start) of the one to export.")] = None,
     json_out: Json = False, cache_dir: CacheDir = None, config: ConfigFile = None, debug: Debug = False,
 ) -> None:
-    """Write every L3 block, checked, to a portable snapshot with a manifest (layout, model, counts, checksums)."""
+    """Write every L3 block of one layout, checked, to a portable snapshot with a manifest (layout, model, counts, checksums)."""
     s = settings(cache_dir, config, debug)
-    l3 = _open(s)
+    l3 = _open(s, layout)
     catalog = Catalog(s.l3_path)
     try:
         report = export_l3(l3, catalog, file)

@@ -55,23 +55,28 @@ def _post(url: str, body: dict) -> dict:
 
 def _local(s, model: str | None, identity: str | None, prompt: str | None, ids: list[int] | None,
            namespace: str | None, salt: str | None, dtype: str, hf_overrides: dict | None) -> dict:
-    from tierkv.catalog import stored_layout
+    from tierkv.catalog import stored_layouts
     from tierkv.identity import recorded, salt_keys
+    from tierkv.layout import KVLayout
     from tierkv.store import TierKVStore
     from tierkv.why import EvictionLog, explain, summary
 
-    stored = stored_layout(s.l3_path)
-    if stored is None:
+    stored = stored_layouts(s.l3_path)
+    if not stored:
         raise CLIError(f"no L3 cache at {s.l3_path} (pass --cache-dir, or ask a server with --url)")
-    layout, _, meta = stored
-    records = [ident for ident, _ in recorded(meta)]
+    # (identity, last opened, layout) over every layout's directory, newest first
+    records = sorted(((ident, seen, lay) for _, lay, _, meta in stored for ident, seen in recorded(meta)),
+                     key=lambda r: -r[1])
     if model is not None:
         from tierkv.engine.loader import engine_identity, read_config
         from tierkv.engine.tokenizer import Tokenizer
 
         mdir = model_path(model)
         ident = engine_identity(mdir, dtype, dtype, hf_overrides)
-        tokenizer = Tokenizer(mdir, read_config(mdir, hf_overrides).vocab_size)
+        mc = read_config(mdir, hf_overrides)
+        # the layout that engine would write: its shape and dtype, the block size this L3 was written with
+        layout = KVLayout(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim, stored[0][1].block_size, dtype)
+        tokenizer = Tokenizer(mdir, mc.vocab_size)
         if ids is None:
             ids = tokenizer.encode(prompt)
     else:
@@ -80,18 +85,21 @@ def _local(s, model: str | None, identity: str | None, prompt: str | None, ids: 
         if not records:
             raise CLIError(f"{s.l3_path} records no model identity; pass --model")
         want = (identity or "latest").lower()
-        picked = records if want == "latest" else [r for r in records if r.digest.startswith(want)]
+        picked = records if want == "latest" else [r for r in records if r[0].digest.startswith(want)]
         if not picked:
             raise CLIError(f"--identity: none of the identities L3 records starts with {want!r}; recorded: "
-                           f"{', '.join(r.digest[:12] for r in records)}", 2)
-        ident = picked[0]
+                           f"{', '.join(r[0].digest[:12] for r in records)}", 2)
+        ident, _, layout = picked[0]
+    mine = [d for d, lay, _, _ in stored if lay.fingerprint == layout.fingerprint]
     cfg = dataclasses.replace(s.config, l1=L1Config(num_blocks=0), l2=L2Config(capacity=0, shared_name="", pin=False)
                               if not s.config.l2.shared_name else s.config.l2, l4=s.config.l4 if s.config.l4.url else L4Config())
-    cfg = dataclasses.replace(cfg, cost=dataclasses.replace(cfg.cost, calibrate=False))
+    # No L3 of this layout: look without creating one (explain still searches the other layouts').
+    cfg = dataclasses.replace(cfg, cost=dataclasses.replace(cfg.cost, calibrate=False), l3_enabled=bool(mine))
     store = TierKVStore(cfg, layout, identity=ident, record_identity=False)
     try:
         log = EvictionLog()
-        log.load(s.l3_path)
+        if mine:
+            log.load(mine[0])
         store.evictions = log
         blocks = explain(store, ids, namespace, salt_keys(salt))
         store.evictions = None  # read only: nothing to save back

@@ -48,6 +48,15 @@ class DamagedL3(ValueError):
     """What an offline opener (``create=False``, the ``tierkv`` tools) gets for a damaged L3 directory."""
 
 
+class ForeignLayout(ValueError):
+    """An L3 directory that holds blocks of another layout (``theirs``): the store opens that
+    layout's own directory instead (``catalog.l3_dir_for``); other openers get this error."""
+
+    def __init__(self, message: str, theirs: KVLayout) -> None:
+        super().__init__(message)
+        self.theirs = theirs
+
+
 def damaged_error(path: Path, what: str) -> DamagedL3:
     """The error an offline opener gets for a damaged ``path`` (a ValueError naming ``l3.path``)."""
     return DamagedL3(f"l3.path: {path} is damaged ({what}); a store started on it moves the damaged files aside")
@@ -154,10 +163,9 @@ def foreign_layout(path: Path, layout: KVLayout, found: bytes, described: bytes 
     if not consistent:
         return Damaged("damaged_index", entries, f"meta records 'layout_fingerprint' {found[:32]!r} and "
                        f"'layout' {(described or b'')[:80]!r} are unreadable or disagree")
-    return ValueError(
-        f"l3.path: {path} holds blocks of layout {found.decode()}, this store's layout is "
-        f"{layout.fingerprint}; use another l3.path or clear it with `tierkv evict --all`"
-    )
+    return ForeignLayout(
+        f"l3.path: {path} holds blocks of layout {found.decode()} {theirs.to_dict()}, this store's layout is "
+        f"{layout.fingerprint} {layout.to_dict()}", theirs)
 
 
 _PROBE = r"""
