@@ -362,8 +362,15 @@ class RemoteTier:
         names = [self.key_name(k) for k in keys]
         early: dict[int, str | None] = {}  # verdicts reached while the batch was still arriving
 
+        decoded: set[int] = set()  # compressed values decoded as they landed
+
         def landed(i: int, length: int, tail: bytes) -> None:
-            early[i] = None if length < 0 else codec.verify(keys[i], length, tail, blocks[i])
+            verdict = None if length < 0 else codec.verify(keys[i], length, tail, blocks[i])
+            if verdict == OK and codec.coded(tail):
+                # Decoded now, while the next values are still on their way (and this one in cache).
+                decoded.add(i)
+                verdict = OK if self._decode_one(blocks[i], tail) else CORRUPT
+            early[i] = verdict
 
         # Without a MAC the xxh3 pass is cheapest on a block that just arrived (it is still in
         # cache): measured 1.15-1.20x a pass over the whole batch afterwards, on Redis. With one,
@@ -384,7 +391,7 @@ class RemoteTier:
 
         verdicts = (self._map_halves(verdict_of, len(keys)) if self._mac_helper is not None
                     else [verdict_of(i) for i in range(len(keys))])
-        coded_hits = self._decode(verdicts, found, blocks, seconds)
+        coded_hits = self._decode(verdicts, found, blocks, seconds, decoded)
         bad: dict[str, int] = {}
         for i, verdict in enumerate(verdicts):
             if verdict is None:
@@ -403,26 +410,36 @@ class RemoteTier:
         return out
 
     def _decode(self, verdicts: list[str | None], found: list[tuple[int, bytes]], blocks: list[torch.Tensor],
-                seconds: float) -> int:
-        """Decode, in place, each good compressed value whose stored bytes lie at its block's start;
-        one that does not decode becomes CORRUPT in ``verdicts``. Times raw batches for ``auto``.
-        Returns how many were decoded."""
-        todo = [i for i, v in enumerate(verdicts) if v == OK and self.codec.coded(found[i][1])]
-        if not todo:
+                seconds: float, decoded: set[int]) -> int:
+        """Decode, in place, each good compressed value whose stored bytes lie at its block's start
+        and that was not decoded as it landed (``decoded``); one that does not decode becomes
+        CORRUPT in ``verdicts``. Times raw batches for ``auto``. Returns how many were coded."""
+        todo = [i for i, v in enumerate(verdicts)
+                if v == OK and i not in decoded and self.codec.coded(found[i][1])]
+        if not todo and not decoded:
             if self._auto is not None and any(v == OK for v in verdicts):
                 self._auto.raw_read(sum(v == OK for v in verdicts) * self.codec.payload_bytes, seconds)
             return 0
-        if self._codec is None and self._codec_read is None:
-            self._codec_read = BlockCodec(self.layout.itemsize, self.layout.block_bytes)
-        decoder = self._codec or self._codec_read
-        items = []
-        for i in todo:
-            whole = as_bytes(blocks[i])
-            items.append((whole[:self.codec.stored_bytes(found[i][1])], self.codec.coded(found[i][1]), whole))
-        for i, good in zip(todo, decoder.decode_many(items)):
+        items = [(as_bytes(blocks[i])[:self.codec.stored_bytes(found[i][1])], self.codec.coded(found[i][1]),
+                  as_bytes(blocks[i])) for i in todo]
+        for i, good in zip(todo, self._decoder.decode_many(items)):
             if not good:
                 verdicts[i] = CORRUPT
-        return len(todo)
+        return len(todo) + len(decoded)
+
+    @property
+    def _decoder(self) -> BlockCodec:
+        """This tier's codec, or (compress off) one made on first use: any reader decodes."""
+        if self._codec is not None:
+            return self._codec
+        if self._codec_read is None:
+            self._codec_read = BlockCodec(self.layout.itemsize, self.layout.block_bytes)
+        return self._codec_read
+
+    def _decode_one(self, block: torch.Tensor, tail: bytes) -> bool:
+        """Decode the compressed value (trailer ``tail``) lying at the start of ``block``, in place."""
+        whole = as_bytes(block)
+        return self._decoder.decode_into(whole[:self.codec.stored_bytes(tail)], self.codec.coded(tail), whole)
 
     def compression(self) -> dict:
         """``l4.compress`` as this tier runs it, and ``auto``'s current choice (None otherwise)."""
