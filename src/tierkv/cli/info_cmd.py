@@ -62,11 +62,12 @@ def local_info(s) -> dict:
             "l2": {"where": f"/dev/shm/tierkv-{cfg.l2.shared_name}" if cfg.l2.shared_name else "process RAM",
                    "capacity_bytes": cfg.l2.capacity},
             "l3": {"where": str(s.l3_path), "capacity_bytes": cfg.l3.capacity, "present": False},
-            "l4": {"where": cfg.l4.url or "(none)"},
+            "l4": {"where": cfg.l4.url or "(none)", "compress": {"mode": cfg.l4.compress}},
         },
         "rdma": rdma_info(),
     }
     l3 = out["tiers"]["l3"]
+    l3["compress"] = {"mode": cfg.l3.compress}
     aside = damaged_dirs(s.l3_path)
     l3["damaged"] = {"count": len(aside), "bytes": sum(_tree_bytes(d) for d in aside), "dirs": [d.name for d in aside]}
     every = stored_layouts(s.l3_path)  # one directory per layout: the root's first
@@ -84,6 +85,7 @@ def local_info(s) -> dict:
                   direct_io=disk.direct, model_id=meta.get("model_id"), model_revision=meta.get("model_revision"))
         l3["identities"] = [{"digest": ident.digest, "last_opened": seen, "fields": ident.field_digests()}
                             for ident, seen in recorded(meta)]
+        l3["compress"] = _l3_compression(disk, cfg.l3.compress, meta)
         out["layout"] = {**disk.layout.to_dict(), "fingerprint": disk.layout.fingerprint,
                          "block_bytes": disk.layout.block_bytes}
         catalog = Catalog(s.l3_path)
@@ -98,6 +100,38 @@ def local_info(s) -> dict:
     finally:
         disk.close()
     return out
+
+
+def _l3_compression(disk, mode: str, meta: dict) -> dict:
+    """How the L3 directory's blocks are stored (a walk of its records) and, for ``auto``, what
+    the last store that wrote there decided (the ``compress_auto`` meta record)."""
+    blocks = coded = stored = 0
+    for rec in disk.records():
+        blocks += 1
+        if rec.flags:
+            coded += 1
+            stored += rec.stored
+    return {"mode": mode, "blocks": blocks, "compressed_blocks": coded,
+            "ratio": round(coded * disk.block_bytes / stored, 3) if coded else None,
+            "auto": meta.get("compress_auto")}
+
+
+def compression_lines(tiers: dict) -> list[str]:
+    """What ``tierkv info`` says about l3/l4.compress and what auto chose."""
+    lines = []
+    l3 = tiers["l3"]["compress"]
+    line = f"l3 compress {l3['mode']}"
+    if l3["mode"] == "auto":
+        line += f" ({l3.get('auto') or 'not decided yet: no store has measured this directory'})"
+    if l3.get("blocks"):
+        ratio = f", {l3['ratio']:.2f}x" if l3["ratio"] else ""
+        line += f"; {l3['compressed_blocks']} of {l3['blocks']} blocks stored compressed{ratio}"
+    lines.append(line)
+    if tiers["l4"]["where"] != "(none)":
+        mode = tiers["l4"]["compress"]["mode"]
+        lines.append(f"l4 compress {mode}" + (" (each store decides from its own gets: zstd only where its "
+                                              "measured bandwidth predicts >= 1.2x raw)" if mode == "auto" else ""))
+    return lines
 
 
 def _tree_bytes(path: Path) -> int:
@@ -221,6 +255,8 @@ def info_cmd(
         fields = "  ".join(f"{k} {v[:8]}" for k, v in ident["fields"].items())
         console.print(f"identity {ident['digest'][:12]} (opened {human_age(time.time() - ident['last_opened'])} ago): "
                       f"{fields}", markup=False, soft_wrap=True)
+    for line in compression_lines(tiers):
+        console.print(line, markup=False, soft_wrap=True)
     damaged = l3["damaged"]
     if damaged["count"]:
         noun = "directory" if damaged["count"] == 1 else "directories"
