@@ -154,3 +154,51 @@ def test_compressed_values_through_a_cluster(redis_cluster):
     dst = destinations(layout, "dense", 6)
     assert tier.get(keys, dst) == [True] * 6 and all(same(d, kv_block(k, layout)) for d, k in zip(dst, keys))
     tier.close()
+
+
+def test_a_store_with_l4_compress_zstd_saves_and_another_store_loads(redis_server, tmp_path):
+    """Through the store: node A (l4.compress zstd) demotes KV into the pool, node B (compress off)
+    loads it into its L1 byte for byte."""
+    from _kv import prompt, store_config
+    from tierkv.index import Tier
+    from tierkv.store import TierKVStore
+
+    layout = layout_of(SHAPES[0], "bfloat16")
+
+    def node(name: str, compress: str) -> TierKVStore:
+        l4 = L4Config(url=redis_server.url, timeout_ms=2000, compress=compress)
+        return TierKVStore(store_config(layout, 0, 0, tmp_path / name / "l3", l4=l4), layout, l1_blocks=8)
+
+    a, b = node("a", "zstd"), node("b", "off")
+    try:
+        tokens = prompt(5, 4, layout)
+        keys = a.hash(tokens)
+        m = a.lookup_keys(keys)
+        slots = a.allocate(len(keys))
+        for key, slot in zip(keys, slots):
+            a.l1.block(slot).copy_(kv_block(key, layout))
+        assert all(a.save(keys, slots, 0, m))
+        a.release(m)
+        for round_ in range(8):  # evict A's L1 until every block went down to L4
+            a.free(a.allocate(a.l1.capacity))
+            a.transfer.io(lambda: None).result(timeout=60)
+            if all(a.l4.contains(keys)):
+                break
+            filler = a.hash(prompt(100 + round_, 2, layout), "filler")
+            fm = a.lookup_keys(filler)
+            fs = a.allocate(len(filler))
+            a.save(filler, fs, 0, fm)
+            a.release(fm)
+        assert all(a.l4.contains(keys)), a.stats()
+        assert a.stats()["l4"]["stored_bytes_written"] < a.stats()["l4"]["bytes_written"]
+        m = b.lookup(tokens)
+        assert m.tiers == [Tier.L4] * 4
+        dst = b.allocate(4)
+        assert b.load(m, dst).wait(30).ok == [True] * 4
+        for key, slot in zip(keys, dst):
+            assert same(b.l1.block(slot), kv_block(key, layout))
+        assert b.stats()["l4"]["coded_hits"] == 4
+        b.release(m)
+    finally:
+        a.close()
+        b.close()
