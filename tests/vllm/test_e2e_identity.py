@@ -9,7 +9,10 @@ One module-scoped run on a random-weight 2-layer Llama (fp32, 4 blocks of 128 to
 3. ``rope``: ``hf_overrides`` changes rope_theta: nothing loaded, ids equal to vLLM's own run
    with that override (``rope_base``) and unlike P's old ids; ``tierkv why``, asked while it
    runs and before it computes P, names the fields that differ;
-4. ``tuned``: the checkpoint is rewritten in place (k_proj changed, same size, same first MiB)
+4. ``bf16``: the same checkpoint in bf16 against the fp32 L3 starts (its layout gets its own
+   directory under ``l3.path``), loads nothing, ids equal to vLLM's own bf16 run; ``why`` names
+   ``dtype``; restarted, it loads its own blocks;
+5. ``tuned``: the checkpoint is rewritten in place (k_proj changed, same size, same first MiB)
    and a connector run loads nothing, ids equal to vLLM's own run on the new weights
    (``tuned_base``); ``tierkv why`` names ``weights``.
 """
@@ -41,7 +44,7 @@ def _identity(cache: Path, overridden: bool) -> str:
     from tierkv.catalog import stored_layout
     from tierkv.identity import recorded
 
-    _, _, meta = stored_layout(cache / "l3")
+    _, _, meta = stored_layout(cache / "l3")  # the fp32 root
     return next(i.digest for i, _ in recorded(meta) if (i.get("hf_overrides") != "{}") == overridden)
 
 
@@ -85,6 +88,21 @@ def run(tmp_path_factory) -> dict:
     rec["rope_why_after"] = _why(cache, tmp, _identity(cache, overridden=True))
     rec["rope_base"] = _gen(rope_base.wait_ready())
     rope_base.exit()
+
+    # bf16 against the fp32 L3: another layout, so its own directory under l3.path; started
+    # (not refused), nothing loaded, and `why` finds P's blocks in the fp32 directory.
+    bf16_args = {**LLM_ARGS, "dtype": "bfloat16"}
+    bf16 = Driver({**spec, "connector": conn, "llm": bf16_args}, tmp / "bf16.log", env=env, wait=False)
+    bf16_base = Driver({**spec, "connector": None, "llm": bf16_args}, tmp / "bf16-base.log", env=env, wait=False)
+    bf16.wait_ready()
+    rec["bf16_why"] = _why(cache, tmp)
+    rec["bf16"] = _gen(bf16)
+    bf16.exit()
+    rec["bf16_base"] = _gen(bf16_base.wait_ready())
+    bf16_base.exit()
+    bf16 = Driver({**spec, "connector": conn, "llm": bf16_args}, tmp / "bf16-again.log", env=env)
+    rec["bf16_again"] = _gen(bf16)
+    bf16.exit()
 
     fine_tune_in_place(model)
     tuned = Driver({**spec, "connector": conn}, tmp / "tuned.log", env=env, wait=False)
@@ -133,3 +151,15 @@ def test_a_fine_tune_at_the_same_path_loads_nothing_and_why_names_the_weights(ru
     assert len(held_elsewhere) >= 3
     for b in held_elsewhere:
         assert any(d.startswith("weights ") for d in b["differs"]), b["differs"]
+
+
+def test_bf16_against_an_fp32_l3_starts_loads_nothing_and_why_names_the_dtype(run):
+    assert run["bf16"]["cached"] == 0
+    assert run["bf16"]["ids"] == run["bf16_base"]["ids"]
+    held_elsewhere = [b for b in run["bf16_why"]["blocks"] if b["status"] == "other_identity"]
+    assert len(held_elsewhere) >= 3
+    for b in held_elsewhere:
+        assert any(d.startswith("dtype ") for d in b["differs"]), b["differs"]
+    # restarted, bf16 finds the blocks it wrote in its own directory
+    assert run["bf16_again"]["cached"] == LOADABLE
+    assert run["bf16_again"]["ids"] == run["bf16_base"]["ids"]
