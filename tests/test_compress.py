@@ -295,3 +295,26 @@ def test_l3_auto_stays_raw_on_a_fast_disk_and_records_its_choice(tmp_path):
     assert tier.meta()["compress_auto"].startswith("off")
     tier.close()
     assert os.path.exists(tmp_path / "l3" / "slots.bin")
+
+
+@pytest.mark.parametrize("flags, stored", [(0, 100), (3, 0), (3, 1 << 20)])
+def test_l3_compressed_record_that_cannot_be_one_is_dropped_at_open_and_counted(tmp_path, flags, stored):
+    """A 32-byte record without flags, or claiming no bytes or more than a block, is malformed."""
+    layout = layout_of(SHAPES[0], "bfloat16")
+    tier = DiskTier(tmp_path / "l3", layout, 16, compress="zstd")
+    keys = [key_of("malformed", i) for i in range(2)]
+    put(tier, keys)
+    tier.close()
+    env = lmdb.open(str(tmp_path / "l3" / "index"), max_dbs=4, subdir=True, lock=True)
+    blocks = env.open_db(b"blocks")
+    with env.begin(write=True) as txn:
+        raw = bytearray(txn.get(keys[0], db=blocks))
+        raw[24:32] = stored.to_bytes(4, "little") + flags.to_bytes(4, "little")
+        txn.put(keys[0], bytes(raw), db=blocks)
+    env.close()
+    hook = Hook()
+    tier = DiskTier(tmp_path / "l3", layout, 16, on_failure=hook, compress="zstd")
+    assert hook.count("corrupt") == 1
+    assert tier.contains(keys) == [False, True]
+    assert read_back(tier, keys[1:], aligned=True) == [True]
+    tier.close()

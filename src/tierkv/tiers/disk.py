@@ -81,8 +81,8 @@ def _parse(key: bytes, raw: bytes, block_bytes: int) -> Record | None:
     if head is None or (len(raw) > head and bytes(raw[head:]) == bytes(key)):
         return None
     rec = Record(bytes(key), raw, block_bytes)
-    if rec.flags and not 0 < rec.stored < block_bytes:
-        return None
+    if head == _REC_CODED.size and not (rec.flags and 0 < rec.stored < block_bytes):
+        return None  # a compressed record always has flags and fewer bytes than the block
     return rec
 
 
