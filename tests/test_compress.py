@@ -4,6 +4,7 @@ the auto rule, and the config fields."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 
@@ -318,3 +319,45 @@ def test_l3_compressed_record_that_cannot_be_one_is_dropped_at_open_and_counted(
     assert tier.contains(keys) == [False, True]
     assert read_back(tier, keys[1:], aligned=True) == [True]
     tier.close()
+
+
+def test_a_store_with_l3_compress_zstd_writes_compressed_blocks_that_a_raw_store_reads(tmp_path):
+    """``l3.compress`` reaches the store's L3 (tierset): compressed records on disk, and a store with
+    compression off, restarted on the same directory, loads every block byte for byte."""
+    from _kv import prompt, same_bytes, store_config
+
+    from tierkv.config import L3Config
+    from tierkv.store import TierKVStore
+
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=64, block_size=64, dtype="bfloat16")  # 64 KiB
+    tokens = prompt(5, 4, layout)
+    g = torch.Generator().manual_seed(3)
+    written = [(torch.randn(layout.block_shape, generator=g) * 0.2).to(torch.bfloat16) for _ in range(4)]
+
+    def store(compress: str) -> TierKVStore:
+        cfg = store_config(layout, 0, 16, tmp_path / "l3")
+        cfg = dataclasses.replace(cfg, l3=L3Config(path=str(tmp_path / "l3"), capacity=16 * layout.block_bytes,
+                                                   compress=compress))
+        return TierKVStore(cfg, layout, l1_blocks=8)
+
+    first = store("zstd")
+    keys = first.hash(tokens)
+    m = first.lookup_keys(keys)
+    slots = first.allocate(len(keys))
+    for slot, block in zip(slots, written):
+        first.l1.block(slot).copy_(block)
+    first.save(keys, slots, 0, m)
+    first.release(m)
+    assert first.persist(keys) == 4
+    assert first.l3.compression()["mode"] == "zstd"
+    recs = {r.key: r for r in first.l3.records()}
+    assert all(recs[k].flags != 0 and recs[k].stored < layout.block_bytes for k in keys)
+    first.close()
+    second = store("off")
+    m = second.lookup(tokens)
+    assert m.num_blocks == 4
+    dst = [torch.empty(layout.block_shape, dtype=layout.torch_dtype) for _ in m.to_load]
+    assert second.load(m, dst).wait(30).ok == [True] * 4
+    assert all(same_bytes(d, written[i]) for d, i in zip(dst, m.to_load))
+    second.release(m)
+    second.close()

@@ -41,7 +41,9 @@ def open_tiers(cfg: StoreConfig, layout: KVLayout, l1_blocks: int | None,
             meta.update(meta_records(identity, time.time()))
         # Another layout under the same l3.path (fp32 beside bf16) opens its own directory: 0 hits, not refused.
         tiers[Tier.L3] = open_disk(cfg.l3.path, layout, cfg.l3.capacity // layout.block_bytes, meta=meta,
-                                   direct_io=cfg.l3.direct_io, on_failure=on_failure, read_depth=cfg.l3.read_depth)
+                                   direct_io=cfg.l3.direct_io, on_failure=on_failure, read_depth=cfg.l3.read_depth,
+                                   compress=cfg.l3.compress, compress_level=cfg.l3.compress_level,
+                                   compress_threads=cfg.l3.compress_threads)
     # Demoted blocks wait in the outbox for the IO thread: registered with the pool's client.
     outbox = Outbox(layout, room) if cfg.l4.url or Tier.L3 in tiers else None
     if cfg.l4.url:
