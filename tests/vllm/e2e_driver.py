@@ -5,7 +5,7 @@ connector extra config or none, LLM keyword arguments), prints ``@@READY``,
 then reads one JSON command per stdin line and answers each with one
 ``@@RESULT {json}`` line on stdout (vLLM's own logs go around it):
 
-- ``{"op": "generate", "prompts": [[ids]...], "max_tokens": n, "cache_salt": s}``: greedy, with
+- ``{"op": "generate", "prompts": [[ids]...], "max_tokens": n, "cache_salt": s, "lora": [name, id, path]}``: greedy, with
   the chosen tokens' logprobs; per prompt ``ids``, ``logprobs``, ``cached``
   (``num_cached_tokens``: vLLM's own prefix hit plus what the connector loaded);
 - ``{"op": "reset"}``: ``reset_prefix_cache()``, retried after a tiny request
@@ -71,7 +71,13 @@ def main() -> None:
             sp = SamplingParams(temperature=0.0, max_tokens=cmd.get("max_tokens", 4), logprobs=0,
                                 ignore_eos=True)
             salt = {"cache_salt": cmd["cache_salt"]} if cmd.get("cache_salt") else {}
-            outs = llm.generate([{"prompt_token_ids": p, **salt} for p in cmd["prompts"]], sp, use_tqdm=False)
+            lora = {}
+            if cmd.get("lora"):  # [name, int id, path]
+                from vllm.lora.request import LoRARequest
+
+                lora = {"lora_request": LoRARequest(*cmd["lora"])}
+            outs = llm.generate([{"prompt_token_ids": p, **salt} for p in cmd["prompts"]], sp, use_tqdm=False,
+                                **lora)
             result = []
             for o in outs:
                 c = o.outputs[0]
