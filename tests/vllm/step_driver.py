@@ -13,7 +13,9 @@ one JSON line each, answered with one ``@@RESULT`` line as ``e2e_driver.py`` doe
   ``remote`` (in WAITING_FOR_REMOTE_KVS once scheduled), ``loads`` (``[i, start, blocks,
   is_async]`` of the connector metadata), ``saves`` (``[i, blocks]``), ``preempted``,
   ``scheduled`` (tokens), and from the worker's connector output ``recving`` (finished loads,
-  from ``get_finished``), ``invalid`` (block ids that failed to load). With ``abort``, request
+  from ``get_finished``), ``invalid`` (block ids that failed to load). Once every output is in,
+  it steps on while vLLM's scheduler still holds finished requests (blocks whose save or load
+  runs), as EngineCore's own loop does. With ``abort``, request
   ``i`` is aborted (``LLMEngine.abort_request``, vLLM's own abort) in the first step whose
   schedule puts it in WAITING_FOR_REMOTE_KVS, right after that schedule: its load is promised
   and pinned, the worker has not started it yet, and it ends after the abort. ``at_abort``:
@@ -35,6 +37,7 @@ import queue
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from _e2e import ENV, Driver
@@ -132,7 +135,17 @@ class Watch:
             for o in self.engine.step():
                 if o.finished:
                     outs[int(o.request_id[1:])] = {"ids": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens}
+        self._drain()
         return {"outputs": [outs.get(i) for i in range(len(ids))], "steps": self.steps, "at_abort": self.at_abort}
+
+    def _drain(self, timeout: float = 60.0) -> None:
+        """Step on while vLLM still holds finished requests (their blocks wait for a save, or an aborted
+        one's for its load), as EngineCore's busy loop does in its own process; gives up after ``timeout``
+        s, leaving them for ``state`` to show."""
+        deadline = time.monotonic() + timeout
+        while self.scheduler.has_requests() and time.monotonic() < deadline:
+            self.engine.step()
+            time.sleep(0.005)
 
     def stored(self, cmd: dict) -> int:
         self.store.flush()
