@@ -9,6 +9,8 @@ compress_gbps / decode_gbps  BlockCodec.encode / decode_into on one core (block 
 l3_get_gbps (raw, zstd)      DiskTier.get with O_DIRECT of the same blocks, compress off and zstd
 l4_<link>_get_gbps           RemoteTier.get on a redis-server on loopback, and with the backend call
                              held until its bytes would have crossed a 1 or 10 Gbit/s link (simulated)
+ttft_l3_hit                  the bundled engine's TTFT of the same real-text prompt served from L3,
+                             raw against zstd (two engines side by side, every hit's tier and token checked)
 Every get lands in junk-filled destinations and every block's bytes are compared afterwards.
 Rounds interleave raw and zstd (alternating which goes first); a gain is the median over rounds of
 the per-round zstd/raw ratio. A third tier of each kind runs ``auto`` on the same traffic during the
@@ -30,7 +32,6 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from _common import finish, parser, print_table, target  # noqa: E402
 from remote import start_redis, stop  # noqa: E402
@@ -46,17 +47,23 @@ LINKS = {"loopback": None, "10gbit": 10e9 / 8, "1gbit": 1e9 / 8}  # bytes per se
 BATCH = 16  # blocks per tier call
 
 
-def real_kv(dtype: str, n_tokens: int):
-    """KV blocks of a prefill of real text (README + design notes) through the bundled engine."""
+def real_text_ids(n_tokens: int) -> tuple[Path, list[int]]:
+    """(SmolLM2's directory, the first ``n_tokens`` token ids of README + design notes)."""
     from tokenizers import Tokenizer
 
-    from tierkv.engine import LLM, EngineConfig, SamplingParams
     from tierkv.models import pull
 
     model = Path(pull(MODEL))
     root = Path(__file__).resolve().parent.parent
     text = (root / "README.md").read_text() + (root / "docs" / "design.md").read_text()
-    ids = Tokenizer.from_file(str(model / "tokenizer.json")).encode(text).ids[:n_tokens]
+    return model, Tokenizer.from_file(str(model / "tokenizer.json")).encode(text).ids[:n_tokens]
+
+
+def real_kv(dtype: str, n_tokens: int):
+    """KV blocks of a prefill of real text (README + design notes) through the bundled engine."""
+    from tierkv.engine import LLM, EngineConfig, SamplingParams
+
+    model, ids = real_text_ids(n_tokens)
     engine = EngineConfig(num_blocks=n_tokens // 16 + 16, max_num_batched_tokens=512, dtype=dtype, num_threads=2)
     llm = LLM(model, StoreConfig(l2=L2Config(capacity=0), l3_enabled=False), engine)
     try:
@@ -210,6 +217,54 @@ def l4_case(url: str, layout, blocks, keys, level, threads, rate, tag, calibrate
             t.close()
 
 
+def ttft_case(work: Path, dtype: str, n_tokens: int, level: int, threads: int, rounds: int) -> dict:
+    """TTFT of an L3 hit of a real-text prompt through the bundled engine, L3 raw against L3 zstd.
+
+    One engine per mode (L2 off, write-through into its own L3), alive side by side; each round
+    demotes every L1 block (``ttft.flush_l1``) and times the prompt again, alternating which mode
+    goes first. Every timed request must be served from L3 for its whole cached prefix and must
+    give the first token the fill gave."""
+    from ttft import FIRST, flush_l1
+
+    from tierkv.config import L3Config, PolicyConfig
+    from tierkv.engine import LLM, EngineConfig
+
+    model, ids = real_text_ids(n_tokens)
+    engines, first = {}, {}
+    try:
+        for mode in ("raw", "zstd"):
+            cfg = StoreConfig(l2=L2Config(capacity=0), policy=PolicyConfig(write="write_through"),
+                              l3=L3Config(path=str(work / f"ttft-{dtype}-{mode}"), capacity="256MiB",
+                                          compress="off" if mode == "raw" else "zstd", compress_level=level,
+                                          compress_threads=threads))
+            engine = EngineConfig(num_blocks=n_tokens // 16 + 16, max_num_batched_tokens=n_tokens, dtype=dtype,
+                                  num_threads=1)
+            llm = engines[mode] = LLM(model, cfg, engine)
+            first[mode] = llm.generate([ids], FIRST)[0].token_ids
+            llm.store.flush()
+        if first["raw"] != first["zstd"]:
+            raise SystemExit(f"ttft {dtype}: the fills disagree: {first}")
+        cached = (len(ids) - 1) // 16 * 16
+        ms: dict[str, list[float]] = {"raw": [], "zstd": []}
+        for r in range(rounds):
+            for mode in (("raw", "zstd") if r % 2 == 0 else ("zstd", "raw")):
+                llm = engines[mode]
+                flush_l1(llm)
+                out = llm.generate([ids], FIRST)[0]
+                hits = {t: n for t, n in out.hit_tokens.items() if n}
+                if out.token_ids != first[mode] or hits != {"l3": cached}:
+                    raise SystemExit(f"ttft {dtype} {mode}: expected {cached} tokens from l3 and {first[mode]}, "
+                                     f"got {dict(out.hit_tokens)} and {out.token_ids}")
+                ms[mode].append(out.ttft_s * 1e3)
+        coded = sum(r.flags != 0 for r in engines["zstd"].store.l3.records())
+        return {"raw_ms": statistics.median(ms["raw"]), "zstd_ms": statistics.median(ms["zstd"]),
+                "gain": statistics.median(a / b for a, b in zip(ms["raw"], ms["zstd"])), "tokens": len(ids),
+                "cached_tokens": cached, "zstd_blocks_coded": coded, "ms": ms}
+    finally:
+        for llm in engines.values():
+            llm.close()
+
+
 def main() -> None:
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--dir", default=os.path.expanduser(os.environ.get("TIERKV_CACHE_DIR", "~/.cache/tierkv")),
@@ -247,6 +302,10 @@ def main() -> None:
                 else:
                     targets.append(target(f"{metric}_auto_stays_off", float(c["auto_stored_raw"]), ">=", 1.0,
                                           "1: the auto tier stored every block raw"))
+            t = f["ttft_l3_hit"] = ttft_case(work, dtype, n_tokens, args.level, args.threads, rounds)
+            rows.append((f"{dtype} TTFT of an L3 hit ms raw / zstd", f"{t['raw_ms']:.0f} / {t['zstd_ms']:.0f}",
+                         f"{t['cached_tokens']} of {t['tokens']} tokens from L3 ({t['zstd_blocks_coded']} blocks "
+                         f"coded); zstd {t['gain']:.2f}x raw, median of {rounds} rounds"))
     finally:
         stop(procs)
         shutil.rmtree(work, ignore_errors=True)
