@@ -116,8 +116,10 @@ class Watch:
         step["invalid"] = len(getattr(out, "invalid_block_ids", None) or ())
 
     def pinned(self) -> int:
-        """Store blocks pinned now (by either half's match)."""
-        return sum(1 for e in self.store.index.entries() if e.ref_count)
+        """Store blocks pinned now (by either half's match); under the store's lock, as its IO threads
+        change the index."""
+        with self.store._lock:
+            return sum(1 for e in self.store.index.entries() if e.ref_count)
 
     def run(self, cmd: dict) -> dict:
         from vllm import SamplingParams
@@ -171,8 +173,8 @@ def main() -> None:
                             kv_role="kv_both", kv_connector_extra_config=spec["connector"])
     llm = LLM(model=spec["model"], kv_transfer_config=xfer, **spec["llm"])
     watch = Watch(llm)
-    ops = {"run": watch.run, "state": lambda cmd: watch.state(), "stored": watch.stored, "reset": lambda cmd: _reset(llm, SamplingParams),
-           "metrics": lambda cmd: _metrics(llm)}
+    ops = {"run": watch.run, "state": lambda cmd: watch.state(), "stored": watch.stored,
+           "reset": lambda cmd: _reset(llm, SamplingParams), "metrics": lambda cmd: _metrics(llm)}
     print("@@READY", flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)

@@ -9,9 +9,9 @@ hit, loaded outside the step while another request is live, as ``load_async = au
 stepped by hand in one process (``step_driver.py``) so each step's scheduler state, connector
 metadata and connector output are recorded; ``split``, the same connector config in vLLM's
 usual layout (EngineCore and the worker in processes of their own, the scheduler's half
-deciding from L3's index), for the waiters' batch once more. Every count below is exact: tierkv's hit and error
-counters come from vLLM's Prometheus registry, the loads from the metadata vLLM carried to the
-worker.
+deciding from L3's index), for the waiters' batch once more. Every count below is exact:
+tierkv's hit and error counters come from vLLM's Prometheus registry, the loads from the metadata
+vLLM carried to the worker.
 """
 
 from __future__ import annotations
@@ -31,12 +31,17 @@ OTHER = prompt(52, 4 * BLOCK)
 PREEMPT, PREEMPT_TOKENS = [prompt(60 + i, 500) for i in range(4)], 300
 
 
-def _counter(metrics: dict, name: str) -> int:
-    return int(metrics.get(name, 0))
-
-
 def _delta(before: dict, after: dict) -> dict:
     return {k: int(after[k] - before.get(k, 0)) for k in after if after[k] != before.get(k, 0)}
+
+
+AT_REST = {"pinned": 0, "worker_loads": 0, "landing_out": 0, "connector_requests": 0, "vllm_requests": 0,
+           "blocks_not_free": 0}
+
+
+def _rest(tierkv: StepDriver) -> dict:
+    """``step_driver``'s ``state``: what must be back to ``AT_REST`` when nothing runs."""
+    return tierkv.call("state")
 
 
 @pytest.fixture(scope="module")
@@ -64,14 +69,6 @@ def engines(tmp_path_factory):
         for d in (base, tierkv, split):
             d.kill()
         raise
-
-
-def _rest(tierkv: StepDriver) -> dict:
-    return tierkv.call("state")
-
-
-AT_REST = {"pinned": 0, "worker_loads": 0, "landing_out": 0, "connector_requests": 0, "vllm_requests": 0,
-           "blocks_not_free": 0}
 
 
 def test_several_requests_wait_for_remote_kvs_at_once_beside_a_save(engines):
