@@ -9,6 +9,7 @@ import torch
 
 from _kv import key_of
 from test_compress import SHAPES, kv_block, layout_of, noise_block, real_like_block, same
+from test_tiers_disk import Hook
 from tierkv.compress import FLAG_SHUFFLE, FLAG_ZSTD
 from tierkv.config import L4Config
 from tierkv.layout import DTYPES
@@ -16,17 +17,6 @@ from tierkv.tiers.remote import open_remote
 from tierkv.tiers.remote.codec import CODED_SHIFT, FLAG_MAC, TRAILER_BYTES
 
 pytestmark = pytest.mark.timeout(120)
-
-
-class Hook:
-    def __init__(self) -> None:
-        self.calls: list[tuple[str, str, int, str]] = []
-
-    def __call__(self, tier: str, reason: str, n: int, detail: str) -> None:
-        self.calls.append((tier, reason, n, detail))
-
-    def count(self, reason: str) -> int:
-        return sum(n for _, r, n, _ in self.calls if r == reason)
 
 
 def tier_for(url, layout, hook=None, **fields):
