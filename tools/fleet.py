@@ -236,8 +236,8 @@ def _header(args: argparse.Namespace, params: EngineParams, requests: Sequence[R
             f"{params.max_num_batched_tokens} tokens/step; load GB/s L2 {params.load_gbps[0]:g} L3 "
             f"{params.load_gbps[1]:g}\nrouters see events ({args.event_delay_ms:g} ms late), queue depth and the "
             f"nodes' figures: µs/token load L2 {cost.load_us[1]:.1f} L3 {cost.load_us[2]:.1f}, recompute "
-            f"{cost.recompute_us:.0f} (+{cost.growth:.2e}/token of context); 1-token prefill estimate "
-            f"{recompute_us(cost, 0, 1) / 1e3:.1f} ms")
+            f"{cost.recompute_us:.0f} (+{cost.growth:.2e}/token of context): a mean prompt's prefill "
+            f"{recompute_us(cost, 0, round(mean_tokens)) / 1e3:.0f} ms")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
