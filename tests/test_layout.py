@@ -78,3 +78,28 @@ def test_layout_is_frozen_and_hashable():
     assert {lay: 1}[KVLayout(2, 2, 8, 4)] == 1
     assert lay.to_dict() == {"num_layers": 2, "num_kv_heads": 2, "head_dim": 8, "block_size": 4, "dtype": "float16"}
     assert KVLayout(**lay.to_dict()) == lay
+
+
+def test_a_shard_names_its_kv_heads_and_keeps_the_logical_layout():
+    """Tensor parallelism: rank r's layout holds heads [r*H/T, (r+1)*H/T) of H (docs/design.md §13)."""
+    full = KVLayout(32, 8, 128, 16, "float16")
+    s0, s1 = full.shard(0, 4), full.shard(4, 4)
+    assert s0.block_shape == (32, 2, 16, 4, 128) and s0.is_shard and not full.is_shard
+    assert s0.logical == s1.logical == full and full.logical is full
+    assert len({s0.fingerprint, s1.fingerprint, full.fingerprint, KVLayout(32, 4, 128, 16).fingerprint}) == 4
+    assert s1.fingerprint == xxhash.xxh3_64_hexdigest(b"tierkv-layout-v1|32|4|128|16|float16|heads4:8/8")
+    assert KVLayout(**s1.to_dict()) == s1 and "kv_heads_total" not in full.to_dict()
+    assert full.shard(0, 8) == full  # every head: the unsharded layout, one fingerprint
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"kv_heads_total": 8, "kv_head_start": 6}, r"^layout\.kv_head_start: heads 6\.\.10 do not fit in kv_heads_total=8$"),
+    ({"kv_head_start": 2}, r"^layout\.kv_head_start: 2 needs kv_heads_total"),
+    ({"kv_heads_total": -1}, r"^layout\.kv_heads_total: expected an integer >= 0, got -1$"),
+    ({"kv_heads_total": 8, "kv_head_start": True}, r"^layout\.kv_head_start: expected an integer >= 0"),
+])
+def test_an_invalid_shard_names_the_field(fields, message):
+    with pytest.raises(ValueError, match=message):
+        KVLayout(32, 4, 128, 16, "float16", **fields)
+    with pytest.raises(ValueError, match=r"^layout\.shard: already a shard"):
+        KVLayout(32, 8, 128).shard(0, 4).shard(0, 2)

@@ -779,3 +779,23 @@ def test_finished_gives_a_requests_blocks_their_output_band(make_store, layout):
     assert all(store.index.get(k).ref_count == 0 for k in keys)
     with pytest.raises(ValueError, match="output_tokens"):
         store.finished(keys, -1)
+
+
+def test_tensor_parallel_shards_share_the_chain_and_never_the_storage(make_store, layout, l3_dir):
+    """Each rank's store (the shard layout of its KV heads) roots its chain in the logical layout, so
+    one key names a block on every rank, and keeps its blocks in its own directory under the one
+    l3.path, never the root (ranks open theirs at the same moment)."""
+    assert layout.num_kv_heads % 2 == 0
+    half = layout.num_kv_heads // 2
+    s0, s1 = layout.shard(0, half), layout.shard(half, half)
+    tokens = prompt(5, 3, layout)
+    r0 = make_store(l1=4, l2=0, l3=16, layout=s0)
+    r1 = make_store(l1=4, l2=0, l3=16, layout=s1)
+    assert r0.hash(tokens) == r1.hash(tokens)
+    assert {r0.l3.path.parent.name, r1.l3.path.parent.name} == {"layouts"} and r0.l3.path != r1.l3.path
+    save_prompt(r0, tokens)
+    assert r0.lookup(tokens, pin=False).num_blocks == 3 and r1.lookup(tokens, pin=False).num_blocks == 0
+    r0.close()
+    r1.close()
+    full = make_store(l1=4, l2=0, l3=16)  # TP=1 on the same l3.path: the root, its own (empty) blocks
+    assert full.hash(tokens) == r0.hash(tokens) and full.lookup(tokens, pin=False).num_blocks == 0

@@ -30,6 +30,7 @@ from tierkv.connectors.vllm.identity import vllm_identity
 from tierkv.connectors.vllm.layout import layout_from_kv_cache_config
 from tierkv.connectors.vllm.metadata import TierKVMetadata
 from tierkv.connectors.vllm.scheduler import ConnectorScheduler
+from tierkv.connectors.vllm.shards import ShardedView, rank_config, rank_layouts
 from tierkv.connectors.vllm.shared_store import acquire_store, release_store
 from tierkv.connectors.vllm.stats import TierKVPromMetrics, TierKVStats
 from tierkv.connectors.vllm.worker import ConnectorWorker
@@ -71,12 +72,11 @@ class TierKVConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         par = vllm_config.parallel_config
-        if par.tensor_parallel_size != 1 or par.pipeline_parallel_size != 1:
+        if par.pipeline_parallel_size != 1:
             raise ValueError(
-                f"parallel_config: tierkv's connector supports tensor_parallel_size=1 and "
-                f"pipeline_parallel_size=1 (a block holds every layer and head), got "
-                f"{par.tensor_parallel_size} and {par.pipeline_parallel_size}"
-            )
+                f"parallel_config.pipeline_parallel_size: tierkv's connector supports 1, got "
+                f"{par.pipeline_parallel_size} (a stage holds only its layers, and the scheduler cannot "
+                f"tell a block held by every stage from one held by some; docs/design.md §13)")
         for name in ("prefill_context_parallel_size", "decode_context_parallel_size"):
             if getattr(par, name, 1) != 1:
                 raise ValueError(f"parallel_config.{name}: tierkv's connector supports 1 (context "
@@ -89,18 +89,23 @@ class TierKVConnector(KVConnectorBase_V1):
         model = vllm_config.model_config
         cfg = load_config(xfer.kv_connector_extra_config, model.model, getattr(model, "revision", None))
         layout, layer_names = layout_from_kv_cache_config(kv_cache_config)
+        shards = rank_layouts(layout, par.tensor_parallel_size, model.get_total_num_kv_heads())
         self.settings = cfg.vllm
         self.identity = vllm_identity(vllm_config, cfg.store.model_id if cfg.model_id_declared else None)
         store_cfg = cfg.store if self.identity.known else local_only(cfg.store, self.identity.reason)
         is_scheduler = role == KVConnectorRole.SCHEDULER
-        self.store = acquire_store(store_cfg, layout, "scheduler" if is_scheduler else "worker",
-                                   self.identity.identity)
+        ident = self.identity.identity
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
         if is_scheduler:
+            # One view per rank's shard (shards.py); the scheduler decides for all ranks.
+            views = [acquire_store(rank_config(store_cfg, lay), lay, "scheduler", ident) for lay in shards]
+            self.store = views[0] if len(views) == 1 else ShardedView(views)
             self._scheduler = ConnectorScheduler(self.store, cfg.vllm, store_cfg)
         else:
-            self._worker = ConnectorWorker(self.store, cfg.vllm, layer_names)
+            rank = _tp_rank() if len(shards) > 1 else 0
+            self.store = acquire_store(rank_config(store_cfg, shards[rank]), shards[rank], "worker", ident)
+            self._worker = ConnectorWorker(self.store, cfg.vllm, layer_names, rank)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -192,4 +197,12 @@ class TierKVConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             self._scheduler.shutdown()
         store, self.store = self.store, None
-        release_store(store, deadline)
+        for each in getattr(store, "stores", [store]):
+            release_store(each, deadline)
+
+
+def _tp_rank() -> int:
+    """This worker's tensor-parallel rank (vLLM's TP group exists before it builds the connector)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()

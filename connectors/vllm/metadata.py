@@ -61,20 +61,25 @@ class TierKVWorkerMetadata(KVConnectorWorkerMetadata):
     blocks stored, a leading run), and keys that left every local tier of the
     store (evicted out of L3, or a failed load dropped them), in the order
     they left; a key removed while its own save ran comes in the same report
-    as that save, so the scheduler sees the store before the removal."""
+    as that save, so the scheduler sees the store before the removal.
+
+    ``rank``: the tensor-parallel rank that wrote it. vLLM aggregates one step's
+    reports of all ranks with ``aggregate``, which keeps each rank's report whole
+    (``reports``): a rank's save or load may finish a step after another's, and
+    the scheduler counts a save done only once every rank reported it."""
 
     loads_done: set[str] = field(default_factory=set)
     saves_done: dict[int, int] = field(default_factory=dict)
     removed: list[bytes] = field(default_factory=list)
     loads_short: dict[str, int] = field(default_factory=dict)
+    rank: int = 0
+    parts: list[TierKVWorkerMetadata] = field(default_factory=list)
+
+    def reports(self) -> list[TierKVWorkerMetadata]:
+        """Each rank's own report in this one (itself, unless it is an aggregate)."""
+        return self.parts or [self]
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         if not isinstance(other, TierKVWorkerMetadata):
             return self
-        saves = dict(self.saves_done)
-        for save_id, n in other.saves_done.items():
-            saves[save_id] = min(n, saves.get(save_id, n))
-        short = dict(self.loads_short)
-        for req_id, pos in other.loads_short.items():
-            short[req_id] = min(pos, short.get(req_id, pos))
-        return TierKVWorkerMetadata(self.loads_done | other.loads_done, saves, self.removed + other.removed, short)
+        return TierKVWorkerMetadata(rank=-1, parts=[*self.reports(), *other.reports()])

@@ -91,6 +91,12 @@ class ConnectorScheduler:
         # vLLM's own block pool does. Bounded by L2 + L3; None without them (the worker then
         # reports no removals and nothing would ever leave the set).
         self._announced: set[bytes] | None = set() if store.l2 is not None or store.l3 is not None else None
+        # Tensor parallelism (``shards.ShardedView``): every rank reports its own loads and saves.
+        self._rank_stores: list[TierKVStore] = list(getattr(store, "stores", [store]))
+        self._ranks = len(self._rank_stores)
+        self._rank_loads: dict[str, set[int]] = {}
+        self._rank_saves: dict[int, dict[int, int]] = {}
+        self._short: dict[str, int] = {}  # request -> first position some rank did not load
 
     # -- requests and keys ----------------------------------------------------
 
@@ -272,13 +278,16 @@ class ConnectorScheduler:
         wm = connector_output.kv_connector_worker_meta
         if not isinstance(wm, TierKVWorkerMetadata):
             return
-        for req_id in wm.loads_done:
+        loads_done, saves_done, removed = self._count_reports(wm.reports())
+        for req_id in loads_done:
             st = self._requests.get(req_id)
             if st is not None:
                 self._drop_match(st)
                 st.loading = False
-                st.stored_upto = min(st.stored_upto, wm.loads_short.get(req_id, st.stored_upto))
-        for save_id, n_ok in wm.saves_done.items():
+                st.stored_upto = min(st.stored_upto, self._short.pop(req_id, st.stored_upto))
+            else:
+                self._short.pop(req_id, None)
+        for save_id, n_ok in saves_done.items():
             req_id, spec, tokens = self._saves.pop(save_id, (None, None, None))
             if spec is None:
                 continue
@@ -299,23 +308,36 @@ class ConnectorScheduler:
                     self._held.move_to_end(key)
                 while len(self._held) > self._held_cap:
                     self._held.popitem(last=False)
-        if wm.removed:
-            for key in wm.removed:
+        if removed:
+            for key in removed:
                 self._held.pop(key, None)
-            self._forget(wm.removed)
-            self._announce_removed(wm.removed)
+            for store in self._rank_stores:
+                _forget(store, removed)
+            self._announce_removed(removed)
 
-    def _forget(self, keys: list[bytes]) -> None:
-        """Drop from a view's index the removed keys L3 no longer holds (the worker's own store already did)."""
-        store = self.store
-        if store.l3 is None:
-            return
-        with store._lock:
-            present = store.l3.contains(keys)
-            for key, there in zip(keys, present):
-                entry = store.index.get(key)
-                if entry is not None and not there and entry.in_tier(Tier.L3) and not entry.ref_count:
-                    store.index.drop(key, Tier.L3)
+    def _count_reports(self, reports: list[TierKVWorkerMetadata]) -> tuple[list[str], dict[int, int], list[bytes]]:
+        """What every rank has now reported: loads done on all ranks, saves done on all ranks (the
+        fewest blocks any rank stored), and keys removed on any rank (a block needs every shard)."""
+        removed: list[bytes] = []
+        for r in reports:
+            removed.extend(r.removed)
+            for req_id, pos in r.loads_short.items():
+                self._short[req_id] = min(pos, self._short.get(req_id, pos))
+        loads, saves = [], {}
+        for r in reports:
+            for req_id in r.loads_done:
+                seen = self._rank_loads.setdefault(req_id, set())
+                seen.add(r.rank)
+                if len(seen) == self._ranks:
+                    del self._rank_loads[req_id]
+                    loads.append(req_id)
+            for save_id, n in r.saves_done.items():
+                seen_n = self._rank_saves.setdefault(save_id, {})
+                seen_n[r.rank] = n
+                if len(seen_n) == self._ranks:
+                    del self._rank_saves[save_id]
+                    saves[save_id] = min(seen_n.values())
+        return loads, saves, removed
 
     def _announce_removed(self, keys: list[bytes]) -> None:
         """One ``BlockRemoved`` for the keys among ``keys`` that a ``BlockStored`` announced."""
@@ -337,6 +359,7 @@ class ConnectorScheduler:
         if st is None:
             return False, None
         self._drop_match(st)
+        self._short.pop(request.request_id, None)
         saved = max(st.saved_upto, st.stored_upto)
         if saved:  # the workers' stores hear how much it generated (their eviction hint)
             self._finished.append((st.keys[:saved], _num_output_tokens(request)))
@@ -360,6 +383,18 @@ class ConnectorScheduler:
     def shutdown(self) -> None:
         for st in self._requests.values():
             self._drop_match(st)
+
+
+def _forget(store: TierKVStore, keys: list[bytes]) -> None:
+    """Drop from a view's index the removed keys L3 no longer holds (the worker's own store already did)."""
+    if store.l3 is None:
+        return
+    with store._lock:
+        present = store.l3.contains(keys)
+        for key, there in zip(keys, present):
+            entry = store.index.get(key)
+            if entry is not None and not there and entry.in_tier(Tier.L3) and not entry.ref_count:
+                store.index.drop(key, Tier.L3)
 
 
 def _num_output_tokens(request) -> int:

@@ -100,8 +100,10 @@ class _StepSaves:
 
 
 class ConnectorWorker:
-    def __init__(self, store: TierKVStore, settings: VllmSettings, layer_names: Sequence[str]) -> None:
+    def __init__(self, store: TierKVStore, settings: VllmSettings, layer_names: Sequence[str],
+                 rank: int = 0) -> None:
         self.store = store
+        self.rank = rank  # tensor-parallel rank: its store holds that rank's shard of KV heads
         self.settings = settings
         self.layout = store.layout
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
@@ -459,7 +461,8 @@ class ConnectorWorker:
         with self._lock:
             if not (self._loads_done or self._saves_done or self._removed):
                 return None
-            meta = TierKVWorkerMetadata(self._loads_done, self._saves_done, self._removed, self._loads_short)
+            meta = TierKVWorkerMetadata(self._loads_done, self._saves_done, self._removed, self._loads_short,
+                                        rank=self.rank)
             self._loads_done, self._saves_done, self._removed, self._loads_short = set(), {}, [], {}
         return meta
 

@@ -164,9 +164,11 @@ def l3_dirs(l3_path: str | Path) -> list[Path]:
 def open_disk(l3_path: str | Path, layout: KVLayout, num_blocks: int, **kwargs) -> DiskTier:
     """The L3 tier of ``layout`` under ``l3_path`` (``DiskTier``'s keyword arguments pass through):
     its own ``layouts/<fingerprint>`` directory when one exists or the root holds another layout,
-    else the root. Never refused for the layout: another dtype or model finds its own blocks only."""
+    else the root. Never refused for the layout: another dtype or model finds its own blocks only.
+    A tensor-parallel shard always gets its own directory: ranks open theirs at the same moment,
+    and none of them may take the root another rank is creating."""
     sub = layout_subdir(l3_path, layout)
-    if (sub / "index" / "data.mdb").exists():
+    if layout.is_shard or (sub / "index" / "data.mdb").exists():
         return DiskTier(sub, layout, num_blocks, **kwargs)
     try:
         return DiskTier(l3_path, layout, num_blocks, **kwargs)
@@ -190,7 +192,9 @@ def stored_layouts(l3_path: str | Path) -> list[tuple[Path, KVLayout, int, dict[
 
 def other_layouts(l3_path: str | Path, own: str | Path | None) -> list[tuple[Path, KVLayout, dict[str, str]]]:
     """(directory, layout, meta) of the L3 directories under ``l3_path`` other than ``own`` (every
-    one when None); a damaged one is left out (the store that opens it deals with it)."""
+    one when None); a damaged one is left out (the store that opens it deals with it), and so is
+    one this process holds open already (LMDB opens an environment once per process: another
+    tensor-parallel rank's shard, in the scheduler's view)."""
     out = []
     mine = Path(own).expanduser().resolve() if own is not None else None
     for d in l3_dirs(l3_path):
@@ -198,7 +202,7 @@ def other_layouts(l3_path: str | Path, own: str | Path | None) -> list[tuple[Pat
             continue
         try:
             found = stored_layout(d)
-        except ValueError:
+        except (ValueError, lmdb.Error):
             continue
         if found is not None:
             out.append((d, found[0], found[2]))

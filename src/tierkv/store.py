@@ -162,7 +162,8 @@ class TierKVStore:
                         "this one (%s); the last one differs in: %s", self.config.l3.path, len(others),
                         "y" if len(others) == 1 else "ies", self.identity.digest[:12],
                         "; ".join(self.identity.diff(ident)))
-        elsewhere = other_layouts(self.config.l3.path, self.tiers[Tier.L3].path)
+        elsewhere = [e for e in other_layouts(self.config.l3.path, self.tiers[Tier.L3].path)
+                     if e[1].logical != self.layout.logical]  # not the other tensor-parallel ranks' shards
         if elsewhere:
             last = max((r for _, _, meta in elsewhere for r in recorded(meta)), key=lambda r: r[1], default=None)
             differs = "; ".join(self.identity.diff(last[0])) if last is not None else "a model identity not recorded"
@@ -182,7 +183,7 @@ class TierKVStore:
     def seed(self, namespace: str | None = None, extra_keys: Sequence[str] = (),
              identity: ModelIdentity | None = None, layout: KVLayout | None = None) -> bytes:
         """The root of every chain of this store's identity and layout (or ``identity`` / ``layout``,
-        for ``why``), namespace (``config.namespace`` when None) and per-request extra keys (LoRA,
+        for ``why``) — the logical layout: every tensor-parallel shard of a model shares the chain —, namespace (``config.namespace`` when None) and per-request extra keys (LoRA,
         cache salt)."""
         ident = identity or self.identity
         ns = self.config.namespace if namespace is None else namespace
@@ -190,7 +191,8 @@ class TierKVStore:
         s = self._seeds.get(k) if layout is None else None
         if s is None:
             s = self.hasher.seed(ident.get("model_id", ""), ident.get("model_revision", ""),
-                                 (layout or self.layout).fingerprint, ns, ("identity:" + ident.digest, *extra_keys))
+                                 (layout or self.layout).logical.fingerprint, ns,
+                                 ("identity:" + ident.digest, *extra_keys))
             if identity is None and layout is None:
                 self._seeds[k] = s
         return s

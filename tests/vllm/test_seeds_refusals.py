@@ -5,7 +5,8 @@ secret); tierkv's chains must too, or one tenant would load another's KV. The ad
 (by name and by the content of its files) and the salt enter the chain's seed
 (docs/design.md §3, §13); an adapter with no local files is never cached.
 
-Refusals: tensor or pipeline parallelism (a block holds every layer and head), more
+Refusals: pipeline parallelism, tensor parallelism that does not shard the KV heads evenly
+(``shards.py``), more
 than one KV cache group, and requests whose KV is not a function of their token ids
 (multimodal inputs, prompt embeddings), which are never looked up or saved.
 """
@@ -164,18 +165,30 @@ def vllm_config(**parallel) -> tuple[VllmConfig, object]:
     return cfg, FullAttentionSpec(block_size=BLOCK, num_kv_heads=4, head_size=32, dtype=torch.float16)
 
 
-@pytest.mark.parametrize("parallel", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2},
-                                      {"tensor_parallel_size": 4, "pipeline_parallel_size": 2}],
-                         ids=["tp2", "pp2", "tp4-pp2"])
+@pytest.mark.parametrize("parallel", [{"pipeline_parallel_size": 2},
+                                      {"tensor_parallel_size": 2, "pipeline_parallel_size": 2}],
+                         ids=["pp2", "tp2-pp2"])
 @pytest.mark.parametrize("role", [KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER], ids=["scheduler", "worker"])
-def test_tensor_or_pipeline_parallel_is_refused_naming_the_sizes(parallel, role):
+def test_pipeline_parallel_is_refused_naming_the_field(parallel, role):
     cfg, spec = vllm_config(**parallel)
     kv_cache_config = get_kv_cache_config_from_groups(cfg, [KVCacheGroupSpec(LAYERS, spec)], 1 << 30)
-    tp = parallel.get("tensor_parallel_size", 1)
-    pp = parallel.get("pipeline_parallel_size", 1)
-    with pytest.raises(ValueError, match=rf"^parallel_config: .*tensor_parallel_size=1 and pipeline_parallel_size=1"
-                                         rf".* got {tp} and {pp}$"):
+    with pytest.raises(ValueError, match=r"^parallel_config.pipeline_parallel_size: tierkv's connector supports 1, "
+                                         r"got 2 "):
         TierKVConnector(cfg, role, kv_cache_config)
+
+
+@pytest.mark.parametrize(("tp", "heads", "message"), [
+    (8, 1, r"^parallel_config.tensor_parallel_size: .* 4 KV heads over 8 ranks would replicate"),
+    (3, 1, r"^parallel_config.tensor_parallel_size: .* 4 KV heads over 3 ranks"),
+    (2, 4, r"^kv_cache_spec.num_kv_heads: 4 per rank, expected 4 / 2 = 2$"),
+], ids=["replicated", "uneven", "spec-not-sharded"])
+def test_tensor_parallel_that_does_not_shard_kv_heads_evenly_is_refused(tp, heads, message):
+    """tiny-llama has 4 KV heads: TP must divide them (replicated heads are not stored yet)."""
+    cfg, spec = vllm_config(tensor_parallel_size=tp)
+    spec = dataclasses.replace(spec, num_kv_heads=heads)
+    kv_cache_config = get_kv_cache_config_from_groups(cfg, [KVCacheGroupSpec(LAYERS, spec)], 1 << 30)
+    with pytest.raises(ValueError, match=message):
+        TierKVConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config)
 
 
 @pytest.mark.parametrize("name", ["prefill_context_parallel_size", "decode_context_parallel_size"])
