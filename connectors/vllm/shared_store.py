@@ -16,7 +16,10 @@ In one process both roles use one store (one index, one handle on the L3
 directory, which LMDB allows once per process): whichever role comes first
 opens it, the worker's kind when the worker comes first (vLLM 0.32.0's
 order); a worker that finds a scheduler's view adopts it and then saves
-straight to L3. Thread-safe; the store is closed when its last user releases it.
+straight to L3. The worker's full store keeps the eviction log (``why.EvictionLog``,
+saved in the L3 directory on close) that ``tierkv why`` reads; a view keeps none (it
+evicts nothing, and saving an empty log would replace the worker's). Thread-safe; the
+store is closed when its last user releases it.
 """
 
 from __future__ import annotations
@@ -50,8 +53,10 @@ def acquire_store(config: StoreConfig, layout: KVLayout, role: str, identity: Mo
         entry = _stores.get(key)
         if entry is None:
             view = role == "scheduler"
-            entry = _stores[key] = [TierKVStore(view_config(config) if view else config, layout,
-                                                   identity=identity), 0, view]
+            store = TierKVStore(view_config(config) if view else config, layout, identity=identity)
+            if not view:  # the store that evicts keeps the log `tierkv why` reads (a view never evicts)
+                store.keep_eviction_log()
+            entry = _stores[key] = [store, 0, view]
         elif role == "worker" and entry[2]:
             log.warning("tierkv: the worker shares the scheduler's view of the store (it started "
                         "first in this process): saves go straight to L3, without L2")
