@@ -30,7 +30,8 @@ from tierkv.connectors.vllm.identity import vllm_identity
 from tierkv.connectors.vllm.layout import layout_from_kv_cache_config
 from tierkv.connectors.vllm.metadata import TierKVMetadata
 from tierkv.connectors.vllm.scheduler import ConnectorScheduler
-from tierkv.connectors.vllm.shards import ShardedView, rank_config, rank_layouts
+from tierkv.catalog import stored_layouts
+from tierkv.connectors.vllm.shards import Cover, ShardedView, covers, rank_config, rank_layouts
 from tierkv.connectors.vllm.shared_store import acquire_store, release_store
 from tierkv.connectors.vllm.stats import TierKVPromMetrics, TierKVStats
 from tierkv.connectors.vllm.worker import ConnectorWorker
@@ -97,15 +98,30 @@ class TierKVConnector(KVConnectorBase_V1):
         ident = self.identity.identity
         self._scheduler: ConnectorScheduler | None = None
         self._worker: ConnectorWorker | None = None
+        self._sources: list = []  # views of other TP sizes' shards this half reads (covers)
+        stored = _stored_layouts(store_cfg)
+
+        def options(lay):
+            out = []
+            for pieces in covers(lay, stored):
+                views = [acquire_store(rank_config(store_cfg, src), src, "scheduler", ident) for src, *_ in pieces]
+                self._sources.extend(views)
+                out.append(Cover([(v, a, b, at) for v, (_, a, b, at) in zip(views, pieces)]))
+            return out
+
         if is_scheduler:
             # One view per rank's shard (shards.py); the scheduler decides for all ranks.
             views = [acquire_store(rank_config(store_cfg, lay), lay, "scheduler", ident) for lay in shards]
-            self.store = views[0] if len(views) == 1 else ShardedView(views)
+            opts = [options(lay) for lay in shards]
+            self.store = views[0] if len(views) == 1 and not opts[0] else ShardedView(views, opts)
             self._scheduler = ConnectorScheduler(self.store, cfg.vllm, store_cfg)
         else:
             rank = _tp_rank() if len(shards) > 1 else 0
             self.store = acquire_store(rank_config(store_cfg, shards[rank]), shards[rank], "worker", ident)
-            self._worker = ConnectorWorker(self.store, cfg.vllm, layer_names, rank)
+            self._worker = ConnectorWorker(self.store, cfg.vllm, layer_names, rank, options(shards[rank]))
+        if self._sources:
+            log.info("tierkv: %d other tensor-parallel layouts under %s are read where they hold more",
+                     len(self._sources), store_cfg.l3.path)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -197,8 +213,21 @@ class TierKVConnector(KVConnectorBase_V1):
         if self._scheduler is not None:
             self._scheduler.shutdown()
         store, self.store = self.store, None
-        for each in getattr(store, "stores", [store]):
+        for each in [*getattr(store, "stores", [store]), *self._sources]:
             release_store(each, deadline)
+        self._sources = []
+
+
+def _stored_layouts(config: StoreConfig) -> list:
+    """The layouts stored under ``l3.path`` (none without L3); a damaged directory is left out."""
+    if not config.l3_enabled:
+        return []
+    try:
+        return [lay for _, lay, _, _ in stored_layouts(config.l3.path)]
+    except (OSError, ValueError) as exc:
+        log.warning("tierkv: cannot list the layouts under %s (%r): other TP sizes' blocks are not read",
+                    config.l3.path, exc)
+        return []
 
 
 def _tp_rank() -> int:

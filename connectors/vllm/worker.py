@@ -57,6 +57,7 @@ from tierkv.connectors.vllm.landing import LandingPool
 from tierkv.connectors.vllm.layer_feed import LayerFeed
 from tierkv.connectors.vllm.layout import cache_view, resolve_split
 from tierkv.connectors.vllm.metadata import LoadSpec, TierKVMetadata, TierKVWorkerMetadata
+from tierkv.connectors.vllm.shards import Cover, best
 from tierkv.connectors.vllm.stats import TierKVStats, store_deltas
 from tierkv.metrics import TIER_NAMES
 from tierkv.kernels import gather_blocks, scatter_block_list, scatter_blocks
@@ -101,9 +102,10 @@ class _StepSaves:
 
 class ConnectorWorker:
     def __init__(self, store: TierKVStore, settings: VllmSettings, layer_names: Sequence[str],
-                 rank: int = 0) -> None:
+                 rank: int = 0, covers: Sequence[Cover] = ()) -> None:
         self.store = store
         self.rank = rank  # tensor-parallel rank: its store holds that rank's shard of KV heads
+        self.covers = list(covers)  # other TP sizes' shards of its heads (shards.py), read where they hold more
         self.settings = settings
         self.layout = store.layout
         self.layer_index = {name: i for i, name in enumerate(layer_names)}
@@ -232,9 +234,17 @@ class ConnectorWorker:
             self._account(load, good)
 
     def _start(self, spec: LoadSpec) -> _Load:
-        m = self.store.lookup_keys(spec.keys, pin=True)
+        m, cover = best(self.store, spec.keys, self.covers, True)
         end = min(m.num_blocks, len(spec.keys))
         found = max(0, end - spec.start)
+        if cover is not None:  # another TP size's shards hold more: read and assemble them, now
+            staging = self.landing.take(found)
+            if found:
+                handle = cover.load(m, spec.start, staging[:found])
+            else:
+                cover.release(m)
+                handle = LoadHandle.completed(LoadResult([]))
+            return _Load(spec, m, handle, staging, found)
         sub = Match(m.keys[spec.start : spec.start + found], m.tiers[spec.start : spec.start + found],
                     m.entries[spec.start : spec.start + found], m.block_size)
         lent = self.store.lend(sub) if found else None

@@ -3,12 +3,17 @@
 The random 2-layer Llama of ``_e2e`` has 2 KV heads: rank 0 holds head 0, rank 1
 head 1, each in its own worker process with its own store (the shard layout of
 its head: its own L3 directory under the one ``l3.path``). One module-scoped run,
-three engine starts (TP=2 on two cores is slow, so the prompts are short):
+five engine starts (TP=2 on two cores is slow, so the prompts are short):
 
-1. ``base``: TP=2, no connector: P and Q alone;
+1. ``base``: TP=2, no connector: P, Q and R alone;
 2. ``writer``: TP=2 with the connector, its L3 empty: P, Q, a clean exit;
 3. Q's second block is removed from rank 1's L3 directory only;
-4. ``reader``: TP=2, a fresh process on the writer's config: P, Q.
+4. ``reader``: TP=2, a fresh process on the writer's config: P, Q;
+5. ``solo``: TP=1 on the same config: P and Q, which only the TP=2 instances
+   saved (each block assembled from both ranks' shards; ``reader`` saved Q's
+   recomputed blocks again), and R, which it saves
+   in its own (unsharded) layout;
+6. ``again``: TP=2: R, which only the TP=1 instance saved (each rank slices its head).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ LLM_ARGS = {"skip_tokenizer_init": True, "dtype": "float32", "max_model_len": 10
             "disable_log_stats": False, "num_gpu_blocks_override": 16, "max_num_batched_tokens": 1024, "seed": 0,
             "tensor_parallel_size": TP}
 N = 3 * BLOCK + 1  # the connector may load 3 blocks (one token at least is computed)
-P, Q = prompt(101, N), prompt(102, N)
+P, Q, R = prompt(101, N), prompt(102, N), prompt(103, N)
 MAX_TOKENS = 8
 
 
@@ -56,7 +61,7 @@ def run(tmp_path_factory) -> dict:
     base = Driver({"model": str(model), "connector": None, "llm": LLM_ARGS}, tmp / "base.log", wait=False)
     writer = Driver({"model": str(model), "connector": connector, "llm": LLM_ARGS}, tmp / "writer.log", wait=False)
     base.wait_ready()
-    rec["base"] = {"P": _gen(base, P), "Q": _gen(base, Q)}
+    rec["base"] = {"P": _gen(base, P), "Q": _gen(base, Q), "R": _gen(base, R)}
     base.exit()
     writer.wait_ready()
     rec["w"] = {"P": _gen(writer, P), "Q": _gen(writer, Q)}
@@ -86,6 +91,18 @@ def run(tmp_path_factory) -> dict:
     rec["r"]["Q"] = _gen(reader, Q)
     rec["r_metrics_q"] = reader.call("metrics")
     rec["r_exit_rc"] = reader.exit()
+
+    solo = Driver({"model": str(model), "connector": connector, "llm": {**LLM_ARGS, "tensor_parallel_size": 1}},
+                  tmp / "solo.log")
+    rec["s_metrics0"] = solo.call("metrics")
+    rec["s"] = {name: _gen(solo, p) for name, p in (("P", P), ("Q", Q), ("R", R))}
+    rec["s_metrics"] = solo.call("metrics")
+    rec["s_exit_rc"] = solo.exit()
+    again = Driver({"model": str(model), "connector": connector, "llm": LLM_ARGS}, tmp / "again.log")
+    rec["a_metrics0"] = again.call("metrics")
+    rec["a"] = {"R": _gen(again, R)}
+    rec["a_metrics"] = again.call("metrics")
+    rec["a_exit_rc"] = again.exit()
     return rec
 
 
@@ -126,3 +143,24 @@ def test_a_block_missing_on_one_rank_is_a_miss_on_every_rank(run):
     assert q["ids"] == base["ids"]
     assert _delta(run["r_metrics_q"], run["r_metrics_p"], "tierkv_load_errors_total") == 0
     assert _delta(run["r_metrics_q"], run["r_metrics_p"], "tierkv_hits_total|tier=l3") == 1 * TP
+
+
+def test_tp1_loads_what_tp2_saved_assembling_both_shards(run):
+    """No configuration: the keys do not depend on the TP size, and a TP=1 worker reads each block's
+    heads from the TP=2 ranks' directories (Q's block 1, recomputed by ``reader``, was saved again
+    on both ranks)."""
+    s, base = run["s"], run["base"]
+    assert run["s_exit_rc"] == 0
+    assert (s["P"]["cached"], s["Q"]["cached"], s["R"]["cached"]) == (3 * BLOCK, 3 * BLOCK, 0)
+    for name in "PQR":
+        assert s[name]["ids"] == base[name]["ids"], name
+    assert _delta(run["s_metrics"], run["s_metrics0"], "tierkv_hits_total|tier=l3") == 3 + 3
+    assert _delta(run["s_metrics"], run["s_metrics0"], "tierkv_load_errors_total") == 0
+
+
+def test_tp2_loads_what_tp1_saved_each_rank_slicing_its_head(run):
+    r, base = run["a"]["R"], run["base"]["R"]
+    assert run["a_exit_rc"] == 0
+    assert r["cached"] == 3 * BLOCK
+    assert r["ids"] == base["ids"]
+    assert _delta(run["a_metrics"], run["a_metrics0"], "tierkv_hits_total|tier=l3") == 3 * TP

@@ -22,7 +22,7 @@ from tierkv.config import L2Config, L3Config, StoreConfig
 from tierkv.connectors.vllm.config import VllmSettings
 from tierkv.connectors.vllm.metadata import SaveSpec, TierKVWorkerMetadata
 from tierkv.connectors.vllm.scheduler import ConnectorScheduler
-from tierkv.connectors.vllm.shards import ShardedView, rank_config, rank_layouts
+from tierkv.connectors.vllm.shards import Cover, ShardedView, best, covers, rank_config, rank_layouts
 from tierkv.layout import KVLayout
 from tierkv.store import TierKVStore
 
@@ -107,3 +107,42 @@ def test_a_save_is_announced_once_every_rank_reported_it(ranks):
     assert stored.block_hashes == keys
     (removed,) = report(TierKVWorkerMetadata(removed=[keys[2]], rank=1))  # gone on one rank: gone
     assert removed.block_hashes == [keys[2]]
+
+
+def test_covers_assemble_finer_shards_and_slice_a_coarser_layout():
+    s0, s1 = rank_layouts(RANK_LAYOUT, 2, 2)
+    full = s0.logical  # 2 KV heads
+    assert covers(full, [s0, s1]) == [[(s0, 0, 1, 0), (s1, 0, 1, 1)]]
+    assert covers(full, [s0]) == [], "a partition counts only when every piece is stored"
+    assert covers(s1, [full, s0]) == [[(full, 1, 2, 0)]]
+    assert covers(s1, [s0, s1]) == [], "its own width: its own directory"
+    other_model = KVLayout(num_layers=3, num_kv_heads=2, head_dim=32, block_size=BLOCK, dtype="float16")
+    assert covers(full, [other_model]) == []
+
+
+def test_a_tp1_rank_reads_a_tp2_save_from_both_shards_byte_for_byte(ranks, tmp_path):
+    """What a TP=1 worker does with blocks only a TP=2 instance saved: each head from its shard."""
+    tokens = prompt(3, 2 * BLOCK)
+    keys = ranks[0].hash(tokens)
+    values = []
+    for r, store in enumerate(ranks):
+        blocks = [torch.full(store.layout.block_shape, float(10 * r + i), dtype=store.layout.torch_dtype)
+                  for i in range(len(keys))]
+        assert all(store.put_blocks(keys, blocks))
+        values.append(blocks)
+    full = ranks[0].layout.logical
+    (pieces,) = covers(full, [s.layout for s in ranks])
+    cover = Cover([(ranks[r], a, b, at) for r, (_, a, b, at) in enumerate(pieces)])
+    solo = TierKVStore(StoreConfig(model_id="tp-test", l2=L2Config(capacity=0),
+                                   l3=L3Config(path=str(tmp_path / "l3"), capacity=16 << 20)), full, l1_blocks=0)
+    try:
+        assert solo.hash(tokens) == keys and solo.lookup_keys(keys, pin=False).num_blocks == 0
+        m, chosen = best(solo, keys, [cover], pin=True)
+        assert chosen is cover and m.num_blocks == 2
+        dst = torch.zeros((2, *full.block_shape), dtype=full.torch_dtype)
+        assert cover.load(m, 0, dst).wait().ok == [True, True]
+        for i in range(2):
+            assert torch.equal(dst[i], torch.cat([values[0][i], values[1][i]], dim=3))
+        assert all(not p.pinned for p in m.parts)
+    finally:
+        solo.close()
