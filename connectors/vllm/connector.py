@@ -22,6 +22,8 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import lmdb
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from tierkv.config import L4Config, StoreConfig
@@ -30,8 +32,8 @@ from tierkv.connectors.vllm.identity import vllm_identity
 from tierkv.connectors.vllm.layout import layout_from_kv_cache_config
 from tierkv.connectors.vllm.metadata import TierKVMetadata
 from tierkv.connectors.vllm.scheduler import ConnectorScheduler
-from tierkv.catalog import stored_layouts
-from tierkv.connectors.vllm.shards import Cover, ShardedView, covers, rank_config, rank_layouts
+from tierkv.catalog import l3_dirs, stored_layout
+from tierkv.connectors.vllm.shards import Cover, ShardedView, covers, is_primary, rank_config, rank_layouts
 from tierkv.connectors.vllm.shared_store import acquire_store, release_store
 from tierkv.connectors.vllm.stats import TierKVPromMetrics, TierKVStats
 from tierkv.connectors.vllm.worker import ConnectorWorker
@@ -117,8 +119,11 @@ class TierKVConnector(KVConnectorBase_V1):
             self._scheduler = ConnectorScheduler(self.store, cfg.vllm, store_cfg)
         else:
             rank = _tp_rank() if len(shards) > 1 else 0
-            self.store = acquire_store(rank_config(store_cfg, shards[rank]), shards[rank], "worker", ident)
-            self._worker = ConnectorWorker(self.store, cfg.vllm, layer_names, rank, options(shards[rank]))
+            lay, primary = shards[rank], is_primary(shards, rank)
+            # A replica (KV heads replicated across ranks) reads the primary's copy through a view.
+            self.store = acquire_store(rank_config(store_cfg, lay), lay, "worker" if primary else "scheduler", ident)
+            self._worker = ConnectorWorker(self.store, cfg.vllm, layer_names, rank, options(lay),
+                                           replica=not primary)
         if self._sources:
             log.info("tierkv: %d other tensor-parallel layouts under %s are read where they hold more",
                      len(self._sources), store_cfg.l3.path)
@@ -219,15 +224,23 @@ class TierKVConnector(KVConnectorBase_V1):
 
 
 def _stored_layouts(config: StoreConfig) -> list:
-    """The layouts stored under ``l3.path`` (none without L3); a damaged directory is left out."""
+    """The layouts stored under ``l3.path`` (none without L3). A damaged directory is left out, and
+    so is one this process holds open already (LMDB opens an environment once per process: this
+    engine's own, when both halves share a process)."""
     if not config.l3_enabled:
         return []
-    try:
-        return [lay for _, lay, _, _ in stored_layouts(config.l3.path)]
-    except (OSError, ValueError) as exc:
-        log.warning("tierkv: cannot list the layouts under %s (%r): other TP sizes' blocks are not read",
-                    config.l3.path, exc)
-        return []
+    out = []
+    for directory in l3_dirs(config.l3.path):
+        try:
+            found = stored_layout(directory)
+        except lmdb.Error:
+            continue
+        except (OSError, ValueError) as exc:
+            log.warning("tierkv: cannot read the layout of %s (%r): its blocks are not read", directory, exc)
+            continue
+        if found is not None:
+            out.append(found[0])
+    return out
 
 
 def _tp_rank() -> int:

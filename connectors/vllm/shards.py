@@ -13,7 +13,9 @@ The scheduler decides for all ranks at once: ``ShardedView`` looks a chain up
 in every rank's shard and counts a block held only where every shard holds it
 (at the slowest shard's tier); a shard missing on one rank cuts the prefix
 there for all ranks, so no rank loads what another must recompute. Heads
-replicated across ranks (H < T) are refused for now (docs/design.md §13).
+replicated across ranks (H < T: rank r holds head r // (T/H)) are stored once,
+by the first rank holding them (``is_primary``); the replicas open that shard's
+directory as a view and read it.
 
 One cache for every TP size, nothing to configure: the keys do not depend on
 T, so blocks another TP size saved are found under the same keys in *its*
@@ -42,17 +44,27 @@ def rank_layouts(layout: KVLayout, tp: int, total_kv_heads: int) -> list[KVLayou
     """Each rank's shard layout (``layout`` is one rank's, as vLLM's cache spec gives it)."""
     if tp == 1:
         return [layout]
-    if total_kv_heads < tp or total_kv_heads % tp:
+    if total_kv_heads % tp and tp % total_kv_heads:
         raise ValueError(
-            f"parallel_config.tensor_parallel_size: tierkv shards KV heads evenly across ranks; "
-            f"{total_kv_heads} KV heads over {tp} ranks would replicate or split heads unevenly "
-            f"(supported: tensor_parallel_size dividing the KV heads)")
-    local = total_kv_heads // tp
+            f"parallel_config.tensor_parallel_size: {total_kv_heads} KV heads over {tp} ranks split "
+            f"unevenly (supported: tensor_parallel_size dividing the KV heads, or a multiple of them)")
+    local = max(1, total_kv_heads // tp)
     if layout.num_kv_heads != local:
         raise ValueError(f"kv_cache_spec.num_kv_heads: {layout.num_kv_heads} per rank, expected "
-                         f"{total_kv_heads} / {tp} = {local}")
+                         f"{total_kv_heads} / {tp} = {local}" if total_kv_heads >= tp else
+                         f"kv_cache_spec.num_kv_heads: {layout.num_kv_heads} per rank, expected 1 "
+                         f"({total_kv_heads} KV heads replicated over {tp} ranks)")
     logical = replace(layout, num_kv_heads=total_kv_heads)
-    return [logical.shard(r * local, local) for r in range(tp)]
+    if total_kv_heads >= tp:
+        return [logical.shard(r * local, local) for r in range(tp)]
+    replicas = tp // total_kv_heads  # vLLM's QKVParallelLinear: rank r holds head r // replicas
+    return [logical.shard(r // replicas, 1) for r in range(tp)]
+
+
+def is_primary(shards: Sequence[KVLayout], rank: int) -> bool:
+    """Whether ``rank`` stores its shard: the first rank holding those heads does; a replica (heads
+    replicated across ranks, fewer KV heads than ranks) only reads the one copy the primary stores."""
+    return shards.index(shards[rank]) == rank
 
 
 def rank_config(config: StoreConfig, layout: KVLayout) -> StoreConfig:

@@ -102,8 +102,11 @@ class _StepSaves:
 
 class ConnectorWorker:
     def __init__(self, store: TierKVStore, settings: VllmSettings, layer_names: Sequence[str],
-                 rank: int = 0, covers: Sequence[Cover] = ()) -> None:
+                 rank: int = 0, covers: Sequence[Cover] = (), replica: bool = False) -> None:
         self.store = store
+        # A replica's heads are stored by another rank (shards.is_primary): it saves nothing and
+        # reports each save whole, so the scheduler's count (the fewest any rank stored) is the primary's.
+        self.replica = replica
         self.rank = rank  # tensor-parallel rank: its store holds that rank's shard of KV heads
         self.covers = list(covers)  # other TP sizes' shards of its heads (shards.py), read where they hold more
         self.settings = settings
@@ -358,7 +361,7 @@ class ConnectorWorker:
 
     def save_kv_layer(self, layer_name: str, meta: TierKVMetadata) -> None:
         """Synchronous saves gather each layer as soon as vLLM has written it."""
-        if not meta.saves or self.settings.save_async or layer_name not in self.layer_index:
+        if not meta.saves or self.settings.save_async or self.replica or layer_name not in self.layer_index:
             return
         step = self._step_for(meta)
         self._gather(step, [self.layer_index[layer_name]])
@@ -373,6 +376,11 @@ class ConnectorWorker:
         """Store this step's full blocks: now, or on the save thread with ``save_async``."""
         self._join_feed()
         if not meta.saves:
+            return
+        if self.replica:
+            with self._lock:
+                for spec in meta.saves:
+                    self._saves_done[spec.save_id] = len(spec.block_ids)
             return
         step = self._step_for(meta)
         self._step = None

@@ -178,12 +178,13 @@ def test_pipeline_parallel_is_refused_naming_the_field(parallel, role):
 
 
 @pytest.mark.parametrize(("tp", "heads", "message"), [
-    (8, 1, r"^parallel_config.tensor_parallel_size: .* 4 KV heads over 8 ranks would replicate"),
-    (3, 1, r"^parallel_config.tensor_parallel_size: .* 4 KV heads over 3 ranks"),
+    (6, 1, r"^parallel_config.tensor_parallel_size: 4 KV heads over 6 ranks split unevenly"),
+    (3, 1, r"^parallel_config.tensor_parallel_size: 4 KV heads over 3 ranks split unevenly"),
     (2, 4, r"^kv_cache_spec.num_kv_heads: 4 per rank, expected 4 / 2 = 2$"),
-], ids=["replicated", "uneven", "spec-not-sharded"])
+    (8, 2, r"^kv_cache_spec.num_kv_heads: 2 per rank, expected 1 \(4 KV heads replicated over 8 ranks\)$"),
+], ids=["uneven-6", "uneven-3", "spec-not-sharded", "spec-not-replicated"])
 def test_tensor_parallel_that_does_not_shard_kv_heads_evenly_is_refused(tp, heads, message):
-    """tiny-llama has 4 KV heads: TP must divide them (replicated heads are not stored yet)."""
+    """tiny-llama has 4 KV heads: TP must divide them, or be a multiple of them (replicas)."""
     cfg, spec = vllm_config(tensor_parallel_size=tp)
     spec = dataclasses.replace(spec, num_kv_heads=heads)
     kv_cache_config = get_kv_cache_config_from_groups(cfg, [KVCacheGroupSpec(LAYERS, spec)], 1 << 30)

@@ -22,7 +22,7 @@ from tierkv.config import L2Config, L3Config, StoreConfig
 from tierkv.connectors.vllm.config import VllmSettings
 from tierkv.connectors.vllm.metadata import SaveSpec, TierKVWorkerMetadata
 from tierkv.connectors.vllm.scheduler import ConnectorScheduler
-from tierkv.connectors.vllm.shards import Cover, ShardedView, best, covers, rank_config, rank_layouts
+from tierkv.connectors.vllm.shards import Cover, ShardedView, best, covers, is_primary, rank_config, rank_layouts
 from tierkv.layout import KVLayout
 from tierkv.store import TierKVStore
 
@@ -57,6 +57,10 @@ def test_rank_layouts_give_each_rank_its_heads_and_a_slab_of_its_own():
     shards = rank_layouts(RANK_LAYOUT, 2, 2)
     assert [(s.kv_head_start, s.num_kv_heads, s.kv_heads_total) for s in shards] == [(0, 1, 2), (1, 1, 2)]
     assert rank_layouts(RANK_LAYOUT, 1, 1) == [RANK_LAYOUT]
+    replicated = rank_layouts(RANK_LAYOUT, 4, 2)  # 2 KV heads over 4 ranks: rank r holds head r // 2
+    assert [s.kv_head_start for s in replicated] == [0, 0, 1, 1] and replicated[1] == shards[0]
+    assert [is_primary(replicated, r) for r in range(4)] == [True, False, True, False]
+    assert rank_layouts(RANK_LAYOUT, 2, 1) == [RANK_LAYOUT, RANK_LAYOUT], "MQA: every rank the one head"
     cfg = StoreConfig(l2=L2Config(capacity=1 << 20, shared_name="node"))
     assert [rank_config(cfg, s).l2.shared_name for s in shards] == ["node.h0-1of2", "node.h1-2of2"]
     assert rank_config(cfg, RANK_LAYOUT) is cfg
