@@ -62,6 +62,7 @@ class LLM:
                                  l1_blocks=ec.num_blocks, identity=self.identity)
         if enable_cache:
             self.store.keep_eviction_log()
+            self.store.keep_seed_log()
         self.tokenizer = Tokenizer(model_dir, mc.vocab_size)
         self.scheduler = Scheduler(ec, KVCacheManager(self.store, enable_cache), mc.eos_token_id)
         self.runner = ModelRunner(self.model, self.store.l1.pool, ec.block_size)
@@ -168,7 +169,9 @@ class LLM:
     def why(self, prompt: Prompt, namespace: str | None = None, cache_salt: str | None = None) -> list[BlockWhy]:
         """Per full block of ``prompt``: the tier that holds it, or why none does (``why.explain``:
         evicted when and from where, damaged, held under another model identity and which field
-        differs, or not computed yet). Read-only; safe beside a running ``step``."""
+        differs, held under another request's LoRA or no cache_salt, or not computed yet; blocks
+        under another cache_salt are not looked for, as a server answers any client). Read-only;
+        safe beside a running ``step``."""
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         return explain(self.store, ids, namespace, salt_keys(cache_salt))
 

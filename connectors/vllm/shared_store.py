@@ -18,7 +18,9 @@ opens it, the worker's kind when the worker comes first (vLLM 0.32.0's
 order); a worker that finds a scheduler's view adopts it and then saves
 straight to L3. The worker's full store keeps the eviction log (``why.EvictionLog``,
 saved in the L3 directory on close) that ``tierkv why`` reads; a view keeps none (it
-evicts nothing, and saving an empty log would replace the worker's). Thread-safe; the
+evicts nothing, and saving an empty log would replace the worker's). Both keep a seed
+log (``seeds.SeedLog``: what the extra keys of each request's seed named; the scheduler
+computes the seeds, and the file merges what each process noted). Thread-safe; the
 store is closed when its last user releases it.
 """
 
@@ -56,6 +58,7 @@ def acquire_store(config: StoreConfig, layout: KVLayout, role: str, identity: Mo
             store = TierKVStore(view_config(config) if view else config, layout, identity=identity)
             if not view:  # the store that evicts keeps the log `tierkv why` reads (a view never evicts)
                 store.keep_eviction_log()
+            store.keep_seed_log()  # the scheduler's seeds (LoRA, cache_salt), for `tierkv why`
             entry = _stores[key] = [store, 0, view]
         elif role == "worker" and entry[2]:
             log.warning("tierkv: the worker shares the scheduler's view of the store (it started "

@@ -251,6 +251,31 @@ def recorded(meta: Mapping[str, str]) -> list[tuple[ModelIdentity, float]]:
     return sorted(out, key=lambda r: -r[1])
 
 
+SALT_PREFIX = "salt:"
+
+
 def salt_keys(cache_salt: str | None) -> tuple[str, ...]:
     """The seed's extra key for a request's ``cache_salt`` (the same text in the engine and vLLM)."""
-    return () if not cache_salt else (f"salt:{cache_salt}",)
+    return () if not cache_salt else (SALT_PREFIX + cache_salt,)
+
+
+def lora_key(name: str, content: str) -> str:
+    """The seed's extra key for a LoRA adapter named ``name`` whose files hash to ``content``
+    (the vLLM connector's scheduler builds the same text: ``lora:<name>|lora-content:<digest>``)."""
+    return f"lora:{name}|lora-content:{content}"
+
+
+def extra_key_parts(extra_keys: Iterable[str]) -> list[list[str]]:
+    """What a seed's extra keys name, in order, safe to record and show: ``["lora", name,
+    content digest]``, ``["cache_salt"]`` (that one was set: never the salt, nor a digest of it),
+    ``["extra", 16-hex digest]`` for any other key."""
+    out = []
+    for key in extra_keys:
+        if key.startswith(SALT_PREFIX):
+            out.append(["cache_salt"])
+        elif key.startswith("lora:") and "|lora-content:" in key:
+            name, _, content = key[len("lora:"):].rpartition("|lora-content:")
+            out.append(["lora", name, content])
+        else:
+            out.append(["extra", short(key)])
+    return out

@@ -38,6 +38,7 @@ from tierkv.moves import Mover, Plan
 from tierkv.pacing import TRANSFER, Pacer
 from tierkv.placement import Placement
 from tierkv.reads import Loader, Match
+from tierkv.seeds import SeedLog
 from tierkv.tierset import make_policies, open_tiers
 from tierkv.tiers.disk import DiskTier
 from tierkv.tiers.slots import OutOfBlocks
@@ -96,6 +97,7 @@ class TierKVStore:
         self.tiers, self.outbox = open_tiers(cfg, layout, l1_blocks, self._on_failure,
                                              self.identity if record_identity else None)
         self.evictions: EvictionLog | None = None
+        self.seed_log: SeedLog | None = None
         device = self.l1.device if self.l1 is not None else torch.device("cpu")
         measured = calibrate(layout.block_bytes, layout.block_size, device=str(device),
                              disk_dir=cfg.l3.path if Tier.L3 in self.tiers else None) if cfg.cost.calibrate else None
@@ -195,6 +197,8 @@ class TierKVStore:
                                  ("identity:" + ident.digest, *extra_keys))
             if identity is None and layout is None:
                 self._seeds[k] = s
+                if extra_keys and self.seed_log is not None:
+                    self.seed_log.note(s, ident.digest, ns, extra_keys)
         return s
 
     def hash(self, token_ids: Sequence[int], namespace: str | None = None,
@@ -415,6 +419,19 @@ class TierKVStore:
             self.evictions = self.loader.evictions = log_
         return self.evictions
 
+    def keep_seed_log(self, capacity: int = 4096) -> SeedLog:
+        """Note, for up to ``capacity`` seeds, the extra keys (LoRA name and content digest; that a
+        cache_salt was set, never the salt) each seed with extra keys that ``seed`` hands out was
+        rooted in (``seeds.SeedLog``, read by ``why.explain``); with L3 kept in its directory, merged
+        with what other processes noted there. Seeds asked for with an explicit ``identity`` or
+        ``layout`` (``why`` looking) are not noted. Idempotent; thread-safe."""
+        if self.seed_log is None:
+            self.seed_log = SeedLog(self.tiers[Tier.L3].path if Tier.L3 in self.tiers else None, capacity)
+            for (digest, ns, extra), seed in list(self._seeds.items()):  # handed out before the log began
+                if extra:
+                    self.seed_log.note(seed, digest, ns, extra)
+        return self.seed_log
+
     def stats(self) -> dict:
         """Counters by tier plus usage and capacity in blocks (L3: writes queued included). Thread-safe snapshot."""
         with self._lock:
@@ -465,6 +482,8 @@ class TierKVStore:
         self.events.close()
         if self.evictions is not None and Tier.L3 in self.tiers:
             self.evictions.save(self.tiers[Tier.L3].path)
+        if self.seed_log is not None:
+            self.seed_log.close()
         for tier in reversed(self.tiers.values()):
             tier.close()
 

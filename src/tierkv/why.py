@@ -11,6 +11,15 @@ of a prompt, or the connector's keys): each block is
 - ``other_identity``: not under this model identity, but the block computed
   for the same tokens under an identity the L3 directory records is there —
   the fields that differ are named ("weights 3f2a… → 9c1b…");
+- ``other_request_keys``: held under this identity but another request's
+  extra keys — another cache_salt, another LoRA (name, or content
+  "a1b2… → c3d4…"), none where this one has some. The chain is recomputed
+  under every seed the store's ``SeedLog`` (``seeds.py``) noted for this
+  identity, and under the plain seed; a seed is tried past the prompt's
+  first block only where that block is held under it. Salted seeds are
+  looked under only with ``other_salts`` (an operator's question: a
+  cache_salt exists so that one tenant cannot learn what another computed,
+  so a server answering any client leaves it off); the salt is never shown;
 - ``not_computed``: no tier has it and nothing says it was ever there.
 
 Read-only and thread-safe (index reads under the store's lock; the L4
@@ -29,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tierkv.identity import recorded
+from tierkv.identity import SALT_PREFIX, extra_key_parts, lora_key, recorded
 from tierkv.index import Tier
 from tierkv.metrics import TIER_NAMES
 
@@ -113,7 +122,8 @@ class EvictionLog:
 
 @dataclass(frozen=True)
 class BlockWhy:
-    """One block's answer: ``status`` one of held, evicted, damaged, other_identity, not_computed."""
+    """One block's answer: ``status`` one of held, evicted, damaged, other_identity,
+    other_request_keys, not_computed."""
 
     block: int
     tokens: tuple[int, int]
@@ -132,6 +142,8 @@ class BlockWhy:
             return f"{self.status} from {self.tier} {ago:.0f} s ago"
         if self.status == "other_identity":
             return f"held under identity {self.identity[:12]}, which differs in: " + "; ".join(self.differs)
+        if self.status == "other_request_keys":
+            return f"held in {self.tier} under another request's extra keys: " + "; ".join(self.differs)
         return "not computed yet (no tier has it, no eviction of it recorded)"
 
     def to_dict(self) -> dict:
@@ -141,10 +153,12 @@ class BlockWhy:
 
 
 def explain(store, token_ids: Sequence[int], namespace: str | None = None,
-            extra_keys: Sequence[str] = ()) -> list[BlockWhy]:
-    """Per full block of ``token_ids`` (hashed as ``store.hash`` does), where it is or why it is not."""
+            extra_keys: Sequence[str] = (), other_salts: bool = False) -> list[BlockWhy]:
+    """Per full block of ``token_ids`` (hashed as ``store.hash`` does), where it is or why it is not;
+    ``other_salts``: also under the seeds of requests that set a cache_salt (module docstring)."""
     bs = store.block_size
-    keys = store.hash(token_ids, namespace, extra_keys)
+    # An explicit identity: the seed is computed as store.hash would, and not noted in its SeedLog.
+    keys = store.hasher.hash_blocks(list(token_ids), bs, store.seed(namespace, extra_keys, identity=store.identity))
     found = _where(store, keys)
     others = [ident for ident, _ in store.recorded_identities() if ident.digest != store.identity.digest]
     elsewhere: dict[int, tuple[object, list[str]]] = {}
@@ -161,6 +175,8 @@ def explain(store, token_ids: Sequence[int], namespace: str | None = None,
                 missing.remove(i)
     if missing:
         elsewhere.update(_other_layouts(store, token_ids, namespace, extra_keys, missing))
+    missing = [i for i in missing if i not in elsewhere]
+    other_keys = _other_request_keys(store, token_ids, namespace, extra_keys, missing, other_salts) if missing else {}
     log = getattr(store, "evictions", None)
     out = []
     for i, key in enumerate(keys):
@@ -170,6 +186,9 @@ def explain(store, token_ids: Sequence[int], namespace: str | None = None,
         elif i in elsewhere:
             ident, differs = elsewhere[i]
             out.append(BlockWhy(status="other_identity", identity=ident.digest, differs=tuple(differs), **base))
+        elif i in other_keys:
+            tier, differs = other_keys[i]
+            out.append(BlockWhy(status="other_request_keys", tier=TIER_NAMES[tier], differs=tuple(differs), **base))
         elif log is not None and (rec := log.get(key)) is not None:
             tier, at, reason = rec
             out.append(BlockWhy(status=reason, tier=TIER_NAMES[tier], at=at, **base))
@@ -210,6 +229,76 @@ def _layout_diff(theirs, mine) -> str:
     if theirs.dtype != mine.dtype:
         return f"layout dtype {theirs.dtype} → {mine.dtype}"
     return f"layout {theirs.fingerprint[:8]}… → {mine.fingerprint[:8]}…"
+
+
+def _other_request_keys(store, token_ids: Sequence[int], namespace: str | None, extra_keys: Sequence[str],
+                        missing: list[int], other_salts: bool) -> dict[int, tuple[int, list[str]]]:
+    """Blocks ``missing`` here that this identity holds, in this namespace, under other extra keys:
+    the plain seed's chain and each ``SeedLog`` seed's (salted ones with ``other_salts`` only),
+    tried in full where the prompt's first block is held under it. Block -> (tier, differs)."""
+    ident, bs, ids = store.identity, store.block_size, list(token_ids)
+    ns = store.config.namespace if namespace is None else namespace
+    own = store.seed(namespace, extra_keys, identity=ident)
+    tries: list[tuple[bytes, tuple]] = [(store.seed(namespace, (), identity=ident), ())] if extra_keys else []
+    log = getattr(store, "seed_log", None)
+    if log is not None:
+        tries += [(r.seed, r.parts) for r in log.records(ident.digest)
+                  if r.seed != own and r.namespace == ns and (other_salts or not r.salted)]
+    if not tries or len(ids) < bs:
+        return {}
+    firsts = [store.hasher.hash_blocks(ids[:bs], bs, seed)[0] for seed, _ in tries]
+    found: dict[int, tuple[int, list[str]]] = {}
+    for (seed, parts), first in zip(tries, _where(store, firsts)):
+        todo = [i for i in missing if i not in found]
+        if first is None or not todo:
+            continue
+        chain = store.hasher.hash_blocks(ids[: (max(todo) + 1) * bs], bs, seed)
+        for i, tier in zip(todo, _where(store, [chain[i] for i in todo])):
+            if tier is not None:
+                found[i] = (tier, _keys_diff(store, namespace, extra_keys, seed, parts))
+    return found
+
+
+def _keys_diff(store, namespace: str | None, extra_keys: Sequence[str], their_seed: bytes,
+               theirs: tuple) -> list[str]:
+    """How the extra keys under ``their_seed`` (recorded as ``theirs``) differ from ``extra_keys``:
+    the LoRA by name or content digest, the salt only as set, unset or another one."""
+    mine = [tuple(p) for p in extra_key_parts(extra_keys)]
+    theirs = [tuple(p) for p in theirs]
+    out = []
+    a, b = (next((p for p in parts if p[0] == "lora"), None) for parts in (theirs, mine))
+    if a != b:
+        if a is None or b is None or a[1] != b[1]:
+            out.append(f"LoRA {a[1] if a else '(none)'} → {b[1] if b else '(none)'}")
+        else:
+            out.append(f"LoRA {b[1]} content {a[2][:8]}… → {b[2][:8]}…")
+    salted = [any(p[0] == "cache_salt" for p in parts) for parts in (theirs, mine)]
+    if salted == [True, False]:
+        out.append("cache_salt set → (none)")
+    elif salted == [False, True]:
+        out.append("cache_salt (none) → set")
+    elif salted == [True, True]:
+        same = _same_salt(store, namespace, extra_keys, their_seed, theirs)
+        if same is None:
+            out.append("cache_salt set in both (the same one or another: not known)")
+        elif not same:
+            out.append("cache_salt another one → this one")
+    if [p for p in theirs if p[0] == "extra"] != [p for p in mine if p[0] == "extra"]:
+        out.append("other extra keys")
+    return out or ["the extra keys' order"]
+
+
+def _same_salt(store, namespace: str | None, extra_keys: Sequence[str], their_seed: bytes,
+               theirs: list[tuple]) -> bool | None:
+    """Whether ``their_seed`` was salted with this request's salt: their extra keys rebuilt with it
+    give their seed again. None when a key of theirs cannot be rebuilt (only its digest is kept)."""
+    salt = next(k for k in extra_keys if k.startswith(SALT_PREFIX))
+    rebuilt = []
+    for p in theirs:
+        if p[0] == "extra":
+            return None
+        rebuilt.append(lora_key(p[1], p[2]) if p[0] == "lora" else salt)
+    return store.seed(namespace, rebuilt, identity=store.identity) == their_seed
 
 
 def _where(store, keys: Sequence[bytes]) -> list[int | None]:

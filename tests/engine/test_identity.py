@@ -103,8 +103,9 @@ def test_a_changed_identity_loads_nothing_and_why_names_the_field(filled, change
         assert ids != filled["ids"]  # the change matters: the old KV would have been wrong
         assert {b.status for b in why} == {"other_identity"}
         assert all(any(d.startswith(field + " ") for d in b.differs) for b in why), why[0].differs
-    else:
-        assert {b.status for b in why} == {"not_computed"}  # a salt is the request's, not recorded
+    else:  # held unsalted: named without showing the salt (a salted holder would not be, to a server)
+        got = {(b.status, b.tier, b.differs) for b in why}
+        assert got == {("other_request_keys", "l3", ("cache_salt (none) → set",))}
     # And the original configuration still finds its blocks, untouched by the other run.
     if change != "fine_tune":
         again, loaded, _ = run(model, filled["l3"])
@@ -142,3 +143,25 @@ def test_a_rewritten_weight_file_is_hashed_again_and_an_unchanged_one_costs_a_st
     f.write_bytes(bytes(data))
     (d3, hashed3), = file_digests([f], cache).values()
     assert hashed3 and d3 != d1
+
+
+def test_why_names_another_cache_salt_to_the_operator_and_not_to_a_server(filled, tmp_path):
+    """A prompt computed under the salt tenant-1, asked without it: the engine's ``why`` (what
+    ``POST /v1/kv/why`` answers) says not computed; ``tierkv why`` on the L3 directory, in
+    another process after the engine closed, says held under another cache_salt; neither shows it."""
+    salted = [t + 1 for t in PROMPT]  # not the unsalted fill's tokens
+    with LLM(filled["model"], l3_config(filled["l3"]), EngineConfig(num_blocks=128, num_threads=1)) as llm:
+        llm.generate([salted], GREEDY, cache_salt="tenant-1")
+        llm.store.flush()
+        assert {b.status for b in llm.why(salted)} == {"not_computed"}
+        assert {b.status for b in llm.why(salted, cache_salt="tenant-1")} == {"held"}
+    ids = tmp_path / "salted.json"
+    ids.write_text(json.dumps(salted))
+    proc = subprocess.run([sys.executable, "-m", "tierkv.cli", "why", "--model", str(filled["model"]), "--ids",
+                           f"@{ids}", "--cache-dir", str(filled["l3"].parent), "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    blocks = json.loads(proc.stdout)["blocks"]
+    assert [(b["status"], b["tier"], b["differs"]) for b in blocks] == [
+        ("other_request_keys", "l3", ["cache_salt set → (none)"])] * 9
+    assert "tenant-1" not in proc.stdout

@@ -59,6 +59,7 @@ def _local(s, model: str | None, identity: str | None, prompt: str | None, ids: 
     from tierkv.identity import recorded, salt_keys
     from tierkv.layout import KVLayout
     from tierkv.store import TierKVStore
+    from tierkv.seeds import SeedLog
     from tierkv.why import EvictionLog, explain, summary
 
     stored = stored_layouts(s.l3_path)
@@ -101,8 +102,10 @@ def _local(s, model: str | None, identity: str | None, prompt: str | None, ids: 
         if mine:
             log.load(mine[0])
         store.evictions = log
-        blocks = explain(store, ids, namespace, salt_keys(salt))
-        store.evictions = None  # read only: nothing to save back
+        store.seed_log = SeedLog(mine[0]) if mine else None
+        # Other cache_salts too: whoever reads the L3 directory can read every block in it.
+        blocks = explain(store, ids, namespace, salt_keys(salt), other_salts=True)
+        store.evictions = store.seed_log = None  # read only: nothing to save back
     finally:
         store.close()
     now = time.time()
@@ -125,7 +128,9 @@ def why_cmd(
     json_out: Json = False, cache_dir: CacheDir = None, config: ConfigFile = None, debug: Debug = False,
 ) -> None:
     """Per block of a prompt: which tier holds its KV, or why it missed (evicted, damaged, held under
-    another model identity and which field differs, not computed yet)."""
+    another model identity and which field differs, held under another cache_salt or LoRA, not
+    computed yet). Locally it looks under every cache_salt seen (never showing one); a server
+    (--url) does not look under other salts."""
     if (prompt is None) == (ids is None):
         raise CLIError("give a prompt or --ids (one of them)", 2)
     token_ids = _ids(ids) if ids is not None else None
