@@ -16,6 +16,9 @@ interleaved round by round (the order rotates), median of ``--reps`` each:
 - ``l3_floor_read_ms``: the physics under ``tierkv_l3_ms``: an O_DIRECT read of the 16 slots the prefix
   occupies in the L3 file, 4 in flight as the tier reads, no checksums, right after each L3 run. Read
   second, it finds any cache below the guest (the hypervisor's) as warm as it can be: a lower bound.
+- ``tp2_*`` (``--tp 2``, the default; ``--tp-only`` runs just these): a random Llama with 2 KV heads
+  (SmolLM2's 3 cannot be split over 2 ranks) at tensor_parallel_size=2, one core per rank: cold,
+  vLLM's own hit, and a restarted TP=2 process loading each rank's shard from L3, against one rank.
 
 Checked, not assumed: every timed hit reports 2,048 cached tokens and a miss 0; each L2 run grew
 ``conn``'s ``tierkv_hits_total`` by 16 blocks of tier ``l2`` and nothing else, each L3 run
@@ -293,12 +296,21 @@ def main() -> None:
     p.add_argument("--omp-bind", default=default_omp_bind(),
                    help="VLLM_CPU_OMP_THREADS_BIND of every engine (default: all cores but the last, which is "
                         "left to vLLM's frontend and poll loop and the connector's IO threads; 'nobind' for all)")
+    p.add_argument("--tp", type=int, default=2,
+                   help="tensor_parallel_size of the TP rows (a random Llama with 2 KV heads); 1: no TP rows")
+    p.add_argument("--tp-only", action="store_true", help="run only the TP rows")
     args = p.parse_args()
     ENV["VLLM_CPU_OMP_THREADS_BIND"] = args.omp_bind
     if args.child:
         child(json.loads(args.child))
         return
     reps = args.reps or (5 if args.quick else 9)
+    if args.tp_only:  # the TP rows alone (a development run; make bench runs everything)
+        work = Path(tempfile.mkdtemp(prefix="tierkv-vllm-e2e-tp-"))
+        figures, rows, targets = tp_section(work, args.tp, reps)
+        print_table(f"vLLM-cpu 0.32.0, TP={args.tp} rows only, median of {reps}", rows)
+        finish(args, "vllm_e2e_tp", figures, targets)
+        return
     from tierkv.models import pull
 
     model = Path(args.model) if args.model else pull("smollm2-135m-instruct")
@@ -342,6 +354,11 @@ def main() -> None:
     refusal = (said[-1].split("Exception: ")[-1].strip() if said
                else off.get("start_error", "started (no refusal)"))
     figures, rows, targets = report(samples, check, first, refusal)
+    if args.tp > 1:
+        tp_figures, tp_rows, tp_targets = tp_section(work, args.tp, reps)
+        figures.update(tp_figures)
+        rows += tp_rows
+        targets += tp_targets
     figures.update(l3_blocks_stored=stored, reps=reps, prefix_tokens=PREFIX, prompt_tokens=len(shared),
                    wall_s=round(time.monotonic() - t_start, 1), model="smollm2-135m-instruct fp32",
                    omp_bind=args.omp_bind)
@@ -486,6 +503,129 @@ def report(samples: dict[str, list[dict]], check: dict[str, dict], first: dict, 
         target("served_from_l3", float(v["served_from_l3"]), ">=", 1.0, "each L3 run's hits all from l3"),
     ]
     return figures, rows, targets
+
+
+# -- tensor parallelism ----------------------------------------------------------------------------
+# SmolLM2-135M has 3 KV heads, which TP=2 cannot shard; the TP rows use a random Llama of the same
+# width with 2 KV heads (fp32), 2,048 + 16 random prompt ids, 8 layers: each rank holds one head.
+TP_LLAMA = {"vocab_size": 8192, "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 8,
+            "num_attention_heads": 8, "num_key_value_heads": 2, "head_dim": 64}
+
+
+def tp_model(path: Path) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**TP_LLAMA, max_position_embeddings=4096, rms_norm_eps=1e-5, tie_word_embeddings=False,
+                      bos_token_id=1, eos_token_id=2, torch_dtype="float32")
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def tp_section(work: Path, tp: int, reps: int) -> tuple[dict, list, list]:
+    """TTFT of a tierkv L3 hit at ``tp`` ranks against vLLM's own hit at ``tp``, and the cold prefill
+    at ``tp`` against one rank: what TP costs here. Engines: ``tp_noconn`` (no connector), ``tp_conn``
+    (computes and stores the prefix; closed once stored), ``tp_restart`` (a fresh process on its L3),
+    ``tp1`` (one rank, no connector); rounds interleaved as above. Checked: every hit's cached
+    tokens, ``tp`` x 16 L3 shard hits per tierkv run (each rank loads its own), and the ids."""
+    import random
+
+    # vLLM-cpu binds each rank's OpenMP threads to its own part of the list ("a|b"); one core each here.
+    n = os.cpu_count() or 1
+    one_rank_bind = ENV["VLLM_CPU_OMP_THREADS_BIND"]
+    tp_bind = "nobind" if one_rank_bind == "nobind" else "|".join(str(r % n) for r in range(tp))
+    model = tp_model(work / "tp-model")
+    rng = random.Random(7)
+    shared = [rng.randrange(3, TP_LLAMA["vocab_size"]) for _ in range(PREFIX + 16)]
+    l3 = work / "tp-l3"
+    xfer = {"kv_connector": "TierKVConnector", "kv_connector_module_path": "tierkv.connectors.vllm",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"l2": {"capacity": "64MiB"},
+                                                                "l3": {"path": str(l3), "capacity": "512MiB"}}}
+    base = {"model": str(model), "llm": {**LLM_ARGS, "skip_tokenizer_init": True, "tensor_parallel_size": tp}}
+    blocks = PREFIX // BLOCK
+    engines: dict[str, Engine] = {}
+    samples: dict[str, list[dict]] = {"tp_cold": [], "tp_vllm_hit": [], "tp_tierkv_l3": [], "tp1_cold": []}
+    try:
+        ENV["VLLM_CPU_OMP_THREADS_BIND"] = tp_bind
+        conn = Engine("tp_conn", {**base, "xfer": xfer}, work)
+        if "ready" not in (res := conn.result()):
+            raise RuntimeError(f"tp_conn did not start: {res}")
+        first = conn.call("generate", prompt=shared, max_tokens=CHECK_TOKENS)
+        conn.close()  # its close lands every rank's saves
+        stored = sum(l3_count_dir(d) for d in sorted((l3 / "layouts").glob("*")))
+        for name, spec in (("tp_noconn", {**base, "xfer": None}), ("tp_restart", {**base, "xfer": xfer}),
+                           ("tp1", {**base, "llm": {**base["llm"], "tensor_parallel_size": 1}, "xfer": None})):
+            ENV["VLLM_CPU_OMP_THREADS_BIND"] = one_rank_bind if name == "tp1" else tp_bind
+            engines[name] = Engine(name, spec, work)
+            if "ready" not in (res := engines[name].result()):
+                raise RuntimeError(f"{name} did not start: {res}")
+        noconn, restart, one = engines["tp_noconn"], engines["tp_restart"], engines["tp1"]
+
+        def cold_and_hit() -> None:
+            noconn.call("reset")
+            samples["tp_cold"].append(noconn.call("generate", prompt=shared))
+            samples["tp_vllm_hit"].append(noconn.call("generate", prompt=shared))
+
+        def l3_hit() -> None:
+            restart.call("reset")
+            samples["tp_tierkv_l3"].append(served(restart, shared))
+
+        def one_rank() -> None:
+            one.call("reset")
+            samples["tp1_cold"].append(one.call("generate", prompt=shared))
+
+        steps = [cold_and_hit, l3_hit, one_rank]
+        for r in range(reps):
+            for step in steps[r % 3:] + steps[: r % 3]:
+                step()
+        restart.call("reset")
+        check = served(restart, shared, CHECK_TOKENS)
+    finally:
+        ENV["VLLM_CPU_OMP_THREADS_BIND"] = one_rank_bind
+        for e in engines.values():
+            e.close()
+    ms = {k: statistics.median(x["ms"] for x in v) for k, v in samples.items()}
+    ref = first["ids"]
+    identical = (len(ref) == CHECK_TOKENS and check["ids"] == ref
+                 and all(x["ids"] == ref[:1] for v in samples.values() for x in v))
+    cached_ok = (all(x["cached"] == PREFIX for k in ("tp_vllm_hit", "tp_tierkv_l3") for x in samples[k])
+                 and all(x["cached"] == 0 for k in ("tp_cold", "tp1_cold") for x in samples[k]))
+    shards_ok = all(x["tiers"] == {"l3": tp * blocks} for x in samples["tp_tierkv_l3"] + [check])
+    figures = {f"{k}_ms": round(x, 2) for k, x in ms.items()}
+    figures.update(tp=tp, tp_model=TP_LLAMA, tp_omp_bind=tp_bind, tp_l3_shard_blocks_stored=stored, tp_identical=identical,
+                   tp_cached_tokens_ok=cached_ok, tp_served_from_l3_shards=shards_ok)
+    rows = [
+        (f"tp{tp}_cold_ms", f"{ms['tp_cold']:.1f}", f"TP={tp} (OpenMP {tp_bind}), random 2-KV-head Llama (8 layers, 576 wide), "
+                                                   f"the whole prompt computed; {ms['tp_cold'] / ms['tp1_cold']:.2f}x "
+                                                   f"one rank's on one core ({ms['tp1_cold']:.1f} ms, OpenMP "
+                                                   f"{one_rank_bind}): TP={tp} here buys cores, its all-reduces cost less"),
+        (f"tp{tp}_vllm_hit_ms", f"{ms['tp_vllm_hit']:.1f}", f"TP={tp}, vLLM's own prefix-cache hit (the floor)"),
+        (f"tp{tp}_tierkv_l3_ms", f"{ms['tp_tierkv_l3']:.1f}",
+         f"{ms['tp_tierkv_l3'] / ms['tp_vllm_hit']:.2f}x tp{tp}_vllm_hit; restarted TP={tp} process, each rank "
+         f"its shard from its L3 directory ({stored} shard blocks stored); ids equal: {identical}, "
+         f"{tp}x{blocks} l3 shard hits per run: {shards_ok}"),
+    ]
+    targets = [
+        target(f"tp{tp}_tierkv_l3_ms", ms["tp_tierkv_l3"] / ms["tp_vllm_hit"], "<=", 1.6, f"x tp{tp}_vllm_hit_ms"),
+        target(f"tp{tp}_identical", float(identical and cached_ok and shards_ok), ">=", 1.0,
+               "ids equal, cached tokens as expected, every rank's shard from L3"),
+    ]
+    return figures, rows, targets
+
+
+def l3_count_dir(directory: Path) -> int:
+    """Blocks indexed in one L3 directory (read-only, any process)."""
+    import lmdb
+
+    if not (directory / "index" / "data.mdb").exists():
+        return 0
+    env = lmdb.open(str(directory / "index"), readonly=True, max_dbs=4, lock=True)
+    try:
+        with env.begin() as txn:
+            return txn.stat(env.open_db(b"blocks", txn=txn, create=False))["entries"]
+    finally:
+        env.close()
 
 
 def argparse_hidden():
