@@ -10,7 +10,9 @@ loaded adapter by its int id, so B has its own id):
    ids under A, under B and without an adapter;
 3. ``as_b`` (connector, restarted): P under B loads nothing from tierkv, ids equal ``ref``'s
    under B; P without an adapter loads nothing either (LoRA KV never serves the base model);
-4. ``as_a`` (connector, restarted): P under A loads the 3 blocks A's writer saved, ids equal.
+4. ``as_a`` (connector, restarted): P under A loads the 3 blocks A's writer saved, ids equal;
+5. ``tierkv why`` on P without an adapter, after the writer exited: its blocks are held under
+   another request's extra keys, "LoRA tenant → (none)" (the scheduler's seed log, on disk).
 
 Each restart is its own process: vLLM's own prefix cache keys an adapter by its name, so two
 adapters of one name in one process would share vLLM's own blocks, which is not what this tests.
@@ -19,6 +21,8 @@ adapters of one name in one process would share vLLM's own blocks, which is not 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,6 +60,16 @@ def _gen(d: Driver, lora: tuple[Path, int] | None) -> dict:
     return d.call("generate", prompts=[P], max_tokens=8, **args)[0]
 
 
+def _why(cache: Path, tmp: Path) -> dict:
+    """``tierkv why`` on P without an adapter, from its own process, on the L3 directory."""
+    ids = tmp / "p.json"
+    ids.write_text(json.dumps(P))
+    proc = subprocess.run([sys.executable, "-m", "tierkv.cli", "why", "--ids", f"@{ids}", "--identity", "latest",
+                           "--cache-dir", str(cache), "--json"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("lora")
@@ -71,6 +85,7 @@ def run(tmp_path_factory) -> dict:
                  tmp / "ref.log", env=env, wait=False)
     rec["writer"] = _gen(writer.wait_ready(), a)
     writer.exit()
+    rec["why_none"] = _why(tmp / "cache", tmp)
     ref.wait_ready()
     rec["ref_a"], rec["ref_b"], rec["ref_none"] = _gen(ref, a), _gen(ref, b), _gen(ref, None)
     ref.exit()
@@ -102,3 +117,9 @@ def test_lora_kv_never_serves_the_base_model(run):
 def test_the_same_adapter_restarted_loads_the_prefix(run):
     assert run["as_a"]["cached"] == LOADABLE
     assert run["as_a"]["ids"] == run["ref_a"]["ids"]
+
+
+def test_why_names_the_adapter_a_prompt_is_held_under(run):
+    blocks = run["why_none"]["blocks"]
+    assert [(b["status"], b.get("tier"), b.get("differs")) for b in blocks[:3]] == [
+        ("other_request_keys", "l3", ["LoRA tenant → (none)"])] * 3, blocks
