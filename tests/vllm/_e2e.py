@@ -27,13 +27,14 @@ START_TIMEOUT_S = 600  # engine start: 25-50 s alone, several times that on a lo
 STEP_TIMEOUT_S = 600
 
 
-def write_random_llama(path: Path, seed: int = 0) -> Path:
-    """A 2-layer Llama with random weights (fixed ``seed``) as a vLLM-loadable directory."""
+def write_random_llama(path: Path, seed: int = 0, kv_heads: int = 2) -> Path:
+    """A 2-layer Llama with random weights (fixed ``seed``) as a vLLM-loadable directory
+    (``kv_heads`` 1: multi-query attention, one KV head for both query heads)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                      num_attention_heads=2, num_key_value_heads=kv_heads, head_dim=64, max_position_embeddings=4096,
                       rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
                       torch_dtype="float32")
     torch.manual_seed(seed)

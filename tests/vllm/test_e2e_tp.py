@@ -14,6 +14,9 @@ five engine starts (TP=2 on two cores is slow, so the prompts are short):
    recomputed blocks again), and R, which it saves
    in its own (unsharded) layout;
 6. ``again``: TP=2: R, which only the TP=1 instance saved (each rank slices its head).
+
+``mqa``: a Llama with one KV head, which vLLM replicates on both ranks: rank 0
+stores it, rank 1 reads rank 0's copy; a TP=2 writer, then a TP=2 reader.
 """
 
 from __future__ import annotations
@@ -164,3 +167,38 @@ def test_tp2_loads_what_tp1_saved_each_rank_slicing_its_head(run):
     assert r["cached"] == 3 * BLOCK
     assert r["ids"] == base["ids"]
     assert _delta(run["a_metrics"], run["a_metrics0"], "tierkv_hits_total|tier=l3") == 3 * TP
+
+
+@pytest.fixture(scope="module")
+def mqa(tmp_path_factory) -> dict:
+    from tierkv.catalog import stored_layouts
+
+    tmp = tmp_path_factory.mktemp("mqa")
+    model = write_random_llama(tmp / "model", kv_heads=1)
+    l3 = tmp / "l3"
+    connector = {"l2": {"capacity": "16MiB"}, "l3": {"path": str(l3), "capacity": "32MiB"}}
+    rec: dict = {}
+    base = Driver({"model": str(model), "connector": None, "llm": LLM_ARGS}, tmp / "base.log", wait=False)
+    writer = Driver({"model": str(model), "connector": connector, "llm": LLM_ARGS}, tmp / "writer.log", wait=False)
+    base.wait_ready()
+    rec["base"] = _gen(base, P)
+    base.exit()
+    writer.wait_ready()
+    rec["w"] = _gen(writer, P)
+    rec["w_exit_rc"] = writer.exit()
+    rec["layouts"] = [(d, lay, len(meta)) for d, lay, _, meta in stored_layouts(l3)]
+    reader = Driver({"model": str(model), "connector": connector, "llm": LLM_ARGS}, tmp / "reader.log")
+    rec["m0"] = reader.call("metrics")
+    rec["r"] = _gen(reader, P)
+    rec["m1"] = reader.call("metrics")
+    rec["r_exit_rc"] = reader.exit()
+    return rec
+
+
+def test_a_kv_head_replicated_on_both_ranks_is_stored_once_and_read_by_both(mqa):
+    assert mqa["w_exit_rc"] == 0 and mqa["r_exit_rc"] == 0
+    (only,) = mqa["layouts"]
+    assert only[1].num_kv_heads == 1 and not only[1].is_shard, "one copy: the model's one KV head"
+    assert mqa["w"]["ids"] == mqa["base"]["ids"]
+    assert mqa["r"]["cached"] == 3 * BLOCK and mqa["r"]["ids"] == mqa["base"]["ids"]
+    assert _delta(mqa["m1"], mqa["m0"], "tierkv_hits_total|tier=l3") == 3 * TP
