@@ -63,7 +63,7 @@ demo: setup
 # .venv-vllm once it exists). BENCH_ARGS= (empty) for the full runs.
 BENCH_ARGS  ?= --quick
 RESULTS     := bench/results
-BENCHES     := tiers lookup connector landing remote compress kernels_cpu events contention ttft throughput identity soak fleet_real
+BENCHES     := tiers lookup connector landing remote compress kernels_cpu events contention ttft throughput identity soak fleet_real tp_layout
 
 bench: setup system-deps
 	@mkdir -p $(RESULTS); rm -f $(RESULTS)/*.json; fail=""; \
