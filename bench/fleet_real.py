@@ -301,6 +301,7 @@ class RouterRun:
     sim_per_node: list[int]
     hit_tokens: dict  # real cached tokens by tier, summed
     l4_keys: int  # values in the shared redis-server at the end
+    inventory: list  # per node, blocks per tier (L1-L4) in the router's event-fed index at the end
     failed: int
     wall_s: float
     mean_late_ms: float
@@ -322,6 +323,9 @@ def run_router(router: str, args, requests: list[Request], prompts: list[list[in
             warm = warmup(fleet.node_urls)
             results = asyncio.run(replay(fleet.url, requests, prompts))
             l4 = fleet.l4_keys()
+            time.sleep(0.5)  # the last saves' events
+            view = {n["url"]: n["events"]["per_tier"] if n["events"] else None
+                    for n in httpx.get(f"{fleet.url}/v1/route/status", timeout=10).json()["nodes"]}
         finally:
             fleet.stop()
         wall = time.perf_counter() - t0
@@ -340,7 +344,8 @@ def run_router(router: str, args, requests: list[Request], prompts: list[list[in
     nan = float("nan")
     run = RouterRun(router, statistics.fmean(ttfts) if ttfts else nan, p90(ttfts) if ttfts else nan,
                     sim.mean_ttft_ms, sim.p90_ttft_ms, sum(r.cached_tokens for r in ok) / max(full, 1),
-                    sim.hit_rate, per_node, sim.per_node, tiers, l4, len(results) - len(ok), wall,
+                    sim.hit_rate, per_node, sim.per_node, tiers, l4, [view.get(u) for u in fleet.node_urls],
+                    len(results) - len(ok), wall,
                     statistics.fmean(r.late_ms for r in results), len(set(warm)) == 1 and bool(warm[0]))
     return run, results
 
