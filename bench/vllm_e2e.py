@@ -269,21 +269,12 @@ class L3Floor:
 
 
 def wait_l3(path: Path, n: int, timeout: float = 300) -> int:
-    import lmdb
-
     deadline = time.monotonic() + timeout
     got = 0
     while time.monotonic() < deadline:
-        if (path / "index" / "data.mdb").exists():
-            env = lmdb.open(str(path / "index"), readonly=True, max_dbs=4, lock=True)
-            try:
-                with env.begin() as txn:
-                    got = txn.stat(env.open_db(b"blocks", txn=txn, create=False))["entries"]
-            except lmdb.Error:
-                got = 0
-            env.close()
-            if got >= n:
-                return got
+        got = l3_count_dir(path)
+        if got >= n:
+            return got
         time.sleep(0.2)
     return got
 
@@ -615,7 +606,7 @@ def tp_section(work: Path, tp: int, reps: int) -> tuple[dict, list, list]:
 
 
 def l3_count_dir(directory: Path) -> int:
-    """Blocks indexed in one L3 directory (read-only, any process)."""
+    """Blocks indexed in one L3 directory (read-only, any process; 0 before it is created)."""
     import lmdb
 
     if not (directory / "index" / "data.mdb").exists():
@@ -624,6 +615,8 @@ def l3_count_dir(directory: Path) -> int:
     try:
         with env.begin() as txn:
             return txn.stat(env.open_db(b"blocks", txn=txn, create=False))["entries"]
+    except lmdb.Error:
+        return 0
     finally:
         env.close()
 

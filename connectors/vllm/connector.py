@@ -22,8 +22,6 @@ import time
 from dataclasses import replace
 from typing import Any
 
-import lmdb
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, KVConnectorRole
 
 from tierkv.config import L4Config, StoreConfig
@@ -32,7 +30,7 @@ from tierkv.connectors.vllm.identity import vllm_identity
 from tierkv.connectors.vllm.layout import layout_from_kv_cache_config
 from tierkv.connectors.vllm.metadata import TierKVMetadata
 from tierkv.connectors.vllm.scheduler import ConnectorScheduler
-from tierkv.catalog import l3_dirs, stored_layout
+from tierkv.catalog import other_layouts
 from tierkv.connectors.vllm.shards import Cover, ShardedView, covers, is_primary, rank_config, rank_layouts
 from tierkv.connectors.vllm.shared_store import acquire_store, release_store
 from tierkv.connectors.vllm.stats import TierKVPromMetrics, TierKVStats
@@ -224,23 +222,12 @@ class TierKVConnector(KVConnectorBase_V1):
 
 
 def _stored_layouts(config: StoreConfig) -> list:
-    """The layouts stored under ``l3.path`` (none without L3). A damaged directory is left out, and
-    so is one this process holds open already (LMDB opens an environment once per process: this
-    engine's own, when both halves share a process)."""
+    """The layouts stored under ``l3.path`` (none without L3); ``catalog.other_layouts`` leaves out
+    a damaged directory and one this process holds open already (this engine's own, when both
+    halves share a process)."""
     if not config.l3_enabled:
         return []
-    out = []
-    for directory in l3_dirs(config.l3.path):
-        try:
-            found = stored_layout(directory)
-        except lmdb.Error:
-            continue
-        except (OSError, ValueError) as exc:
-            log.warning("tierkv: cannot read the layout of %s (%r): its blocks are not read", directory, exc)
-            continue
-        if found is not None:
-            out.append(found[0])
-    return out
+    return [lay for _, lay, _ in other_layouts(config.l3.path, None)]
 
 
 def _tp_rank() -> int:

@@ -52,17 +52,23 @@ def _chain(layout, meta: dict, tokens: list[int]) -> list[bytes]:
     return hasher.hash_blocks(tokens, layout.block_size, seed)
 
 
+def _start(tmp_path_factory, name: str, kv_heads: int = 2) -> tuple[Path, Path, dict, Driver, Driver]:
+    """(tmp, the model, the connector config, ``base`` and ``writer`` starting together)."""
+    tmp = tmp_path_factory.mktemp(name)
+    model = write_random_llama(tmp / "model", kv_heads=kv_heads)
+    connector = {"l2": {"capacity": "16MiB"}, "l3": {"path": str(tmp / "l3"), "capacity": "32MiB"}}
+    base = Driver({"model": str(model), "connector": None, "llm": LLM_ARGS}, tmp / "base.log", wait=False)
+    writer = Driver({"model": str(model), "connector": connector, "llm": LLM_ARGS}, tmp / "writer.log", wait=False)
+    return tmp, model, connector, base, writer
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory) -> dict:
     from tierkv.catalog import open_dir, stored_layouts
 
-    tmp = tmp_path_factory.mktemp("tp")
-    model = write_random_llama(tmp / "model")
+    tmp, model, connector, base, writer = _start(tmp_path_factory, "tp")
     l3 = tmp / "l3"
-    connector = {"l2": {"capacity": "16MiB"}, "l3": {"path": str(l3), "capacity": "32MiB"}}
     rec: dict = {}
-    base = Driver({"model": str(model), "connector": None, "llm": LLM_ARGS}, tmp / "base.log", wait=False)
-    writer = Driver({"model": str(model), "connector": connector, "llm": LLM_ARGS}, tmp / "writer.log", wait=False)
     base.wait_ready()
     rec["base"] = {"P": _gen(base, P), "Q": _gen(base, Q), "R": _gen(base, R)}
     base.exit()
@@ -173,13 +179,9 @@ def test_tp2_loads_what_tp1_saved_each_rank_slicing_its_head(run):
 def mqa(tmp_path_factory) -> dict:
     from tierkv.catalog import stored_layouts
 
-    tmp = tmp_path_factory.mktemp("mqa")
-    model = write_random_llama(tmp / "model", kv_heads=1)
+    tmp, model, connector, base, writer = _start(tmp_path_factory, "mqa", kv_heads=1)
     l3 = tmp / "l3"
-    connector = {"l2": {"capacity": "16MiB"}, "l3": {"path": str(l3), "capacity": "32MiB"}}
     rec: dict = {}
-    base = Driver({"model": str(model), "connector": None, "llm": LLM_ARGS}, tmp / "base.log", wait=False)
-    writer = Driver({"model": str(model), "connector": connector, "llm": LLM_ARGS}, tmp / "writer.log", wait=False)
     base.wait_ready()
     rec["base"] = _gen(base, P)
     base.exit()
