@@ -11,8 +11,8 @@ bytes, so damage is found before anything is decoded; raw records (the old
 format, and blocks that do not shrink) sit beside them. A compressed block reads
 fewer bytes; it still takes a whole slot (capacity is unchanged).
 
-Write order is data, then fdatasync, then the LMDB commit, all inside one LMDB
-write transaction — LMDB's writer lock serialises writers across processes, so
+Compression (CPU only) runs first, outside any transaction; then the data,
+fdatasync and the LMDB commit, all inside one LMDB write transaction — LMDB's writer lock serialises writers across processes, so
 slot allocation needs no other coordination, and a crash (even SIGKILL) leaves
 at worst a slot whose bytes nobody points at. Every read verifies a checksum
 bound to the key; a bad block is a miss, is removed and is counted. Readers
@@ -235,10 +235,17 @@ class DiskTier:
 
     def put(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor],
             lineage: Sequence[Lineage] | None = None) -> list[bool]:
-        """Persist blocks: data, fdatasync, then one LMDB commit. False where full or on IO error."""
+        """Persist blocks: encode, then data, fdatasync and one LMDB commit. False where full or on IO error.
+
+        Compression runs before the write transaction opens (``_encode_first``), so LMDB's writer
+        lock, which every writer of the directory in any process waits for, is held for slot
+        choice, the data write, fdatasync and the index update, never for zstd. Blocking; any
+        thread (writers serialise on that lock). The caller keeps ``blocks`` until it returns.
+        """
         lineage = lineage or [Lineage(None, 0)] * len(keys)
         out = [False] * len(keys)
         try:
+            encoded = self._encode_first(keys, blocks)
             with self._env.begin(write=True) as txn:
                 todo, batch = [], set()
                 for i, key in enumerate(keys):
@@ -255,7 +262,8 @@ class DiskTier:
                     todo.append((i, slot))
                 if not todo:
                     return out
-                stored = self._writer.encode([blocks[i] for i, _ in todo])
+                # A block another process removed since the check was not coded: it goes raw.
+                stored = [encoded.get(i) for i, _ in todo]
                 sums = self._writer.write([slot for _, slot in todo], [keys[i] for i, _ in todo],
                                           [blocks[i] for i, _ in todo], stored, self.pacer)
                 self._file.sync()
@@ -275,6 +283,25 @@ class DiskTier:
             self._on_failure("l3", "index", len(keys), f"{self.path}: {exc}")
             return [False] * len(keys)
         return out
+
+    def _encode_first(self, keys: Sequence[bytes], blocks: Sequence[torch.Tensor]) -> dict[int, bytes]:
+        """The stored bytes of the blocks a put will write compressed, by position, coded outside
+        any write transaction: those not yet in the index (first of a key twice), at most as many
+        as it has free slots (read from one snapshot; the write transaction decides again)."""
+        if self._codec is None:
+            return {}
+        with self._env.begin() as txn:
+            raw_next = txn.get(b"next_slot", db=self._meta)
+            free = txn.stat(self._free)["entries"] + max(0, self._refresh_capacity(txn) - int(raw_next or 0))
+            todo, seen = [], set()
+            for i, key in enumerate(keys):
+                if len(todo) == free:
+                    break
+                if key not in seen and txn.get(key, db=self._blocks) is None:
+                    seen.add(key)
+                    todo.append(i)
+        stored = self._writer.encode([blocks[i] for i in todo])
+        return {i: c for i, c in zip(todo, stored) if c is not None}
 
     def get(self, keys: Sequence[bytes], dst: Sequence[torch.Tensor]) -> list[bool]:
         """Read and verify blocks into ``dst``; a missing, short or corrupt block is False.
