@@ -95,3 +95,24 @@ def test_write_through_takes_blocks_put_from_outside_l1_on_to_l3(make_store, lay
     store.flush()
     assert tiers_of(store, keys) == ["23", "23"]
     assert same_bytes(read_back(store, keys[1], Tier.L3), block_for(keys[1], layout))
+
+
+def test_a_put_larger_than_l2_and_l3_keeps_the_newest_blocks_and_drops_none_as_full(make_store, layout):
+    """One put_blocks of 10 blocks into L2 of 2 and L3 of 4 under write_through: L3 makes room by
+    evicting its policy's victims (counted), never by refusing blocks as full; what stays reads
+    back exactly."""
+    store = make_store(l1=0, l2=2, l3=4, policy=PolicyConfig(name="lru", write="write_through"))
+    keys = store.hash(prompt(9, 10, layout))
+    assert store.put_blocks(keys, [block_for(k, layout) for k in keys]) == [True] * 10
+    store.flush()
+    stats = store.stats()
+    assert stats["failures"] == {}
+    assert stats["usage"] == {"l2": (2, 2), "l3": (4, 4)} and store.l3.used == 4
+    where = tiers_of(store, keys)
+    assert where[-2:] == ["23", "23"]  # the newest two: in L2 and written through to L3
+    held = [k for k, w in zip(keys, where) if "3" in w]
+    assert len(held) == 4 and set(store.l3.contains(keys)) == {True, False}
+    assert [k for k, ok in zip(keys, store.l3.contains(keys)) if ok] == held  # the index and the files agree
+    for key in held:
+        assert same_bytes(read_back(store, key, Tier.L3), block_for(key, layout))
+    assert stats["evictions"]["l3"] == 10 - 4  # every block that left L3 is counted

@@ -231,9 +231,11 @@ class Placement:
 
     def write_through(self, entries: Sequence[Entry], to_l4: Sequence[Entry], plan: Plan) -> None:
         """Plan pinned copies of ``entries`` to the local tiers below them that lack them, and of
-        ``to_l4`` to L4; entries with copies already queued are skipped."""
+        ``to_l4`` to L4; entries with copies already queued are skipped, and so are those no local
+        tier holds any more (a put larger than L2 and L3 demoted and evicted them meanwhile)."""
         l4_keys = {e.key for e in to_l4}
-        todo = [e for e in entries if e.key not in self.persisting and (e.key in l4_keys or self.targets(e))]
+        todo = [e for e in entries if e.mask and e.key not in self.persisting
+                and (e.key in l4_keys or self.targets(e))]
         for dst in (Tier.L2, Tier.L3):
             self.copies([e for e in todo if dst in self.targets(e)], dst, plan)
         self.copies([e for e in todo if e.key in l4_keys], Tier.L4, plan)

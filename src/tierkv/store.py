@@ -314,7 +314,9 @@ class TierKVStore:
             plan = Plan()
             out, in_l2 = self.placement.put_blocks(keys, blocks, start, plan)
             if self.config.policy.write == "write_through":
-                self._write_through(in_l2)  # on down to L3
+                # On down to L3 in the same plan: its room counts the demotions just planned, and
+                # its copies run after them (a plan of their own ran first and overfilled L3).
+                self.placement.write_through(in_l2, in_l2 if self.l4 is not None else (), plan)
             done = self.mover.submit(plan)
         if done is not None:
             done.result()
